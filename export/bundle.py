@@ -1,0 +1,172 @@
+"""Write a bundle: target and draft graphs, tokenizer, chat template, manifest.
+
+Everything is written to a temporary folder beside the destination and moved into place at
+the end, so an interrupted export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import onnx
+from tqdm import tqdm
+
+from specedge import __version__
+from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
+
+from .draft import check_same_vocabulary, truncated_draft
+from .graph import OPSET, export_onnx, model_dims
+from .sources import load_model
+from .verify import verify_graph
+
+VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+           onnx.TensorProto.INT64: "int64"}
+
+
+def _io_spec(values) -> list[dict]:
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+        out.append({"name": v.name, "dtype": _DTYPES.get(t.elem_type, str(t.elem_type)),
+                    "shape": shape})
+    return out
+
+
+def _model_entry(model, path: Path, max_context: int | None) -> dict:
+    dims = model_dims(model)
+    if max_context:
+        dims["max_context"] = min(dims["max_context"], max_context)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {"file": path.name, "architecture": model.config.model_type, **dims,
+            "dtype": "float32", "precision": "fp32", "kv_layout": KV_LAYOUT,
+            "file_size": path.stat().st_size, "inputs": _io_spec(graph.input),
+            "outputs": _io_spec(graph.output)}
+
+
+def _special_tokens(model, tokenizer) -> dict:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return {"eos_token_ids": sorted(eos_ids), "bos_token_id": tokenizer.bos_token_id,
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+
+
+def export_args(model: str, draft: str | None, draft_layers: int | None,
+                max_context: int | None) -> dict:
+    return {"model": model, "draft": draft, "draft_layers": draft_layers,
+            "max_context": max_context}
+
+
+def is_current(out: Path, args: dict) -> bool:
+    """True if `out` is a bundle exported with the same arguments (nothing to redo)."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return manifest.get("format_version") == FORMAT_VERSION and manifest.get("source") == args
+
+
+def export_bundle(model: str, out: str | Path, draft: str | None = None,
+                  draft_layers: int | None = None, max_context: int | None = None,
+                  verify: bool = False, force: bool = False) -> dict:
+    """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
+
+    Skips the work when `out` already holds a bundle made with the same arguments, unless
+    `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers.
+    """
+    out = Path(out)
+    args = export_args(model, draft, draft_layers, max_context)
+    if not force and is_current(out, args):
+        print(f"bundle {out} is up to date (use --force to re-export)", file=sys.stderr)
+        return json.loads((out / MANIFEST).read_text())
+    if draft and draft_layers:
+        raise ValueError("pass --draft or --draft-layers, not both")
+    if max_context is not None and max_context < 1:
+        raise ValueError(f"--max-context must be >= 1, got {max_context}")
+
+    steps = ["load target", "load draft", "export target graph", "export draft graph"]
+    steps += ["verify graphs"] if verify else []
+    progress = tqdm(steps, desc="export", unit="step", file=sys.stderr)
+
+    def step(name: str) -> None:
+        progress.set_postfix_str(name)
+
+    step("load target")
+    target, tokenizer = load_model(model)
+    progress.update()
+    step("load draft")
+    draft_model = None
+    if draft:
+        draft_model, draft_tok = load_model(draft)
+        check_same_vocabulary(target, tokenizer, draft_model, draft_tok)
+    elif draft_layers:
+        draft_model = truncated_draft(target, draft_layers)
+    progress.update()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        step("export target graph")
+        export_onnx(target, str(tmp / "target.onnx"))
+        progress.update()
+        step("export draft graph")
+        if draft_model is not None:
+            export_onnx(draft_model, str(tmp / "draft.onnx"))
+        progress.update()
+
+        models = {"target": _model_entry(target, tmp / "target.onnx", max_context)}
+        if draft_model is not None:
+            models["draft"] = _model_entry(draft_model, tmp / "draft.onnx", max_context)
+        report = {}
+        if verify:
+            step("verify graphs")
+            prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
+            for role, m in (("target", target), ("draft", draft_model)):
+                if m is not None:
+                    report[role] = verify_graph(m, tmp / f"{role}.onnx", prompt)
+            progress.update()
+
+        tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        tok_entry = {"file": "tokenizer.json", **_special_tokens(target, tokenizer),
+                     "sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest()}
+        if tokenizer.chat_template:
+            (tmp / "chat_template.jinja").write_text(tokenizer.chat_template)
+            tok_entry["chat_template"] = "chat_template.jinja"
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "created_by": f"specedge {__version__}",
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "backend": "onnx",
+            "precision": "fp32",
+            "source": args,
+            "models": models,
+            "tokenizer": tok_entry,
+            "versions": {"torch": version("torch"), "transformers": version("transformers"),
+                         "onnx": version("onnx"), "opset": OPSET},
+            "verify": report or None,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        progress.close()
+        failed = [role for role, r in report.items() if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"--verify failed for {', '.join(failed)}: "
+                               f"{json.dumps({r: report[r] for r in failed})}")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        progress.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest

@@ -1,0 +1,26 @@
+"""`specedge export`: the arguments are declared in specedge/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specedge.cli import fail
+
+from .bundle import export_bundle
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        manifest = export_bundle(args.model, args.out, draft=args.draft,
+                                 draft_layers=args.draft_layers, max_context=args.max_context,
+                                 verify=args.verify, force=args.force)
+    except (ValueError, RuntimeError, OSError) as e:
+        fail(str(e))
+    for role, report in (manifest.get("verify") or {}).items():
+        print(f"verify {role}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
+              f"(atol {report['atol']:g}), greedy {report['greedy_matches']}/"
+              f"{report['greedy_steps']} tokens match", file=sys.stderr)
+    models = {role: m["file"] for role, m in manifest["models"].items()}
+    print(json.dumps({"bundle": args.out, "models": models}))

@@ -1,0 +1,155 @@
+"""The bundle contract shared by `export/` (writer) and `runtime/` (reader).
+
+A bundle is a folder:
+
+    manifest.json        this module's FORMAT_VERSION, models, tokenizer, versions
+    target.onnx          target graph
+    draft.onnx           draft graph (optional)
+    tokenizer.json       Hugging Face `tokenizers` file
+    chat_template.jinja  (optional) the model's chat template
+
+Every graph has the same I/O (names follow the Hugging Face / Optimum convention):
+
+    inputs   input_ids                 int64  [1, T]
+             position_ids              int64  [1, T]
+             past_length               int64  [1]      valid rows in the cache
+             logits_to_keep            int64  [1]      logits for the last N positions
+             past_key_values.{i}.key   float  [1, kv_heads, C, head_dim]
+             past_key_values.{i}.value float  [1, kv_heads, C, head_dim]
+    outputs  logits                    float  [1, N, vocab]
+             present.{i}.key           float  [1, kv_heads, T, head_dim]
+             present.{i}.value         float  [1, kv_heads, T, head_dim]
+
+KV layout "bhsd-fixed": the runtime owns cache buffers of fixed capacity C. The graph reads
+rows [0, past_length) and masks the rest; it returns only the T new rows, which the runtime
+writes at [past_length, past_length + T). Rollback is lowering past_length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import BundleError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+KV_LAYOUT = "bhsd-fixed"
+
+
+def past_key_name(layer: int) -> str:
+    return f"past_key_values.{layer}.key"
+
+
+def past_value_name(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key_name(layer: int) -> str:
+    return f"present.{layer}.key"
+
+
+def present_value_name(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
+    """Input and output names, in graph order."""
+    inputs = ["input_ids", "position_ids", "past_length", "logits_to_keep"]
+    outputs = ["logits"]
+    for i in range(num_layers):
+        inputs += [past_key_name(i), past_value_name(i)]
+        outputs += [present_key_name(i), present_value_name(i)]
+    return inputs, outputs
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the runtime needs to know about one graph in the bundle."""
+
+    path: Path
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    dtype: str
+    file_size: int
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: Path
+    manifest: dict[str, Any]
+    target: ModelSpec
+    draft: ModelSpec | None
+    tokenizer_path: Path
+    chat_template: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token: str | None
+    eos_token: str | None
+
+
+_MODEL_KEYS = ("file", "num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_context",
+               "dtype", "file_size", "kv_layout")
+
+
+def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
+    if not isinstance(entry, dict) or any(k not in entry for k in _MODEL_KEYS):
+        raise BundleError(f"{root / MANIFEST}: models.{role} lacks one of {_MODEL_KEYS}; "
+                          "re-export the bundle with `specedge export`")
+    if entry["kv_layout"] != KV_LAYOUT:
+        raise BundleError(f"{root / MANIFEST}: models.{role} uses KV layout "
+                          f"{entry['kv_layout']!r}; this runtime reads {KV_LAYOUT!r}")
+    path = root / entry["file"]
+    if not path.is_file():
+        raise BundleError(f"bundle file missing: {path}; re-export the bundle")
+    if path.stat().st_size != entry["file_size"]:
+        raise BundleError(f"bundle file {path} is {path.stat().st_size} bytes, the manifest "
+                          f"says {entry['file_size']}: it is truncated or was replaced; "
+                          "re-export the bundle")
+    return ModelSpec(path=path, **{k: entry[k] for k in _MODEL_KEYS[1:-1]})
+
+
+def load_bundle(root: str | Path) -> Bundle:
+    """Read and validate a bundle folder; raise BundleError saying what to do if it is bad."""
+    root = Path(root)
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise BundleError(f"no {MANIFEST} in {root}: pass a folder made by `specedge export`")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{manifest_path} is not valid JSON ({e}); re-export the bundle") from e
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("format_version"), int):
+        raise BundleError(f"{manifest_path} has no integer format_version; re-export the bundle")
+    version = manifest["format_version"]
+    if version > FORMAT_VERSION:
+        raise BundleError(f"{manifest_path} has format_version {version}, newer than this "
+                          f"runtime's {FORMAT_VERSION}: upgrade specedge")
+    models = manifest.get("models")
+    if not isinstance(models, dict) or "target" not in models:
+        raise BundleError(f"{manifest_path} lists no target model; re-export the bundle")
+    target = _model_spec(root, "target", models["target"])
+    draft = _model_spec(root, "draft", models["draft"]) if models.get("draft") else None
+    if draft is not None and draft.vocab_size != target.vocab_size:
+        raise BundleError(f"the draft's vocabulary ({draft.vocab_size} tokens) differs from the "
+                          f"target's ({target.vocab_size}): re-export with a draft that shares "
+                          "the target's tokenizer")
+    tok = manifest.get("tokenizer", {})
+    tokenizer_path = root / tok.get("file", "tokenizer.json")
+    if not tokenizer_path.is_file():
+        raise BundleError(f"bundle file missing: {tokenizer_path}; re-export the bundle")
+    chat_template = None
+    if tok.get("chat_template"):
+        template_path = root / tok["chat_template"]
+        if not template_path.is_file():
+            raise BundleError(f"bundle file missing: {template_path}; re-export the bundle")
+        chat_template = template_path.read_text()
+    eos = tok.get("eos_token_ids") or []
+    return Bundle(root=root, manifest=manifest, target=target, draft=draft,
+                  tokenizer_path=tokenizer_path, chat_template=chat_template,
+                  eos_token_ids=tuple(int(i) for i in eos), bos_token=tok.get("bos_token"),
+                  eos_token=tok.get("eos_token"))

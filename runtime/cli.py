@@ -1,0 +1,78 @@
+"""`specedge generate`: stream a completion from a bundle, then print the statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpecEdgeError
+from .params import DRAFTERS
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a bundle (no torch needed)")
+    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-tokens", type=int, default=4, help="K, tokens drafted per step")
+    p.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
+    p.add_argument("--drafter", choices=DRAFTERS, default="model")
+    p.add_argument("--backend", default="ort-cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain decoding on the same prompt and print the speedup")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, stats) instead of streaming")
+
+
+def _error(message: str) -> None:
+    print(f"specedge: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _summary(stats: dict) -> str:
+    per_pos = " ".join(f"{a:.2f}" for a in stats["acceptance_per_position"])
+    return (f"{stats['tokens_generated']} tokens, {stats['decode_tokens_per_second']:.1f} tok/s "
+            f"decode, stop: {stats['stop_reason']}\n"
+            f"drafter {stats['drafter']} K={stats['draft_tokens_k']}: acceptance "
+            f"{stats['acceptance_rate']:.2f} (per position {per_pos or '-'}), "
+            f"{stats['tokens_per_target_call']:.2f} tokens per target call, "
+            f"c={stats['draft_cost_ratio_c']:.3f}, ideal speedup {stats['ideal_speedup']:.2f}x")
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from .generator import Generator
+
+    kwargs = dict(raw=args.raw, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
+                  drafter=args.drafter)
+    try:
+        gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
+        if args.json:
+            result = gen.generate(args.prompt, **kwargs)
+            out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats}
+            if args.compare:
+                plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False})
+                out["plain_stats"] = plain.stats
+            print(json.dumps(out))
+            return
+        for piece in gen.stream(args.prompt, **kwargs):
+            print(piece, end="", flush=True)
+        print()
+        stats = gen.last_result.stats
+        print(_summary(stats), file=sys.stderr)
+        if args.compare:
+            plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False}).stats
+            ratio = stats["decode_tokens_per_second"] / max(plain["decode_tokens_per_second"],
+                                                            1e-9)
+            print(f"plain decoding: {plain['decode_tokens_per_second']:.1f} tok/s; "
+                  f"speculative / plain = {ratio:.2f}x", file=sys.stderr)
+    except (ValueError, SpecEdgeError) as e:
+        _error(str(e))

@@ -1,0 +1,80 @@
+"""Drafters propose K tokens after the context, with their probabilities q (DESIGN step 1).
+
+`propose` returns (token ids, q) where q is [k, vocab] processed draft probabilities, or None
+when q is one-hot (greedy drafting, or a model-free drafter: DESIGN step 6).
+`rollback(n)` tells the drafter that only the first n context tokens are still valid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .backends import OrtCpuBackend
+from .kv_cache import KVCache
+from .params import Sampling
+from .sampling import sample
+
+
+class ModelDrafter:
+    """A small draft model with its own KV cache, run one token at a time."""
+
+    name = "model"
+
+    def __init__(self, backend: OrtCpuBackend):
+        self.backend = backend
+        self.cache: KVCache | None = None
+
+    def reset(self, capacity: int) -> None:
+        if self.cache is None or self.cache.capacity != capacity:
+            self.cache = self.backend.new_cache(capacity)
+        self.cache.rollback(0)
+
+    def propose(self, context: list[int], k: int, sampling: Sampling,
+                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+        # The cache holds rows for a prefix of the context; the rest (the prompt on the first
+        # call, then 1 or 2 tokens) goes in with the first draft step.
+        feed = context[self.cache.length:]
+        ids, qs = [], []
+        for _ in range(k):
+            logits = self.backend.forward(self.cache, feed, 1)[-1]
+            if sampling.greedy:
+                x = int(np.argmax(logits))
+            else:
+                qs.append(sampling.probs(logits))
+                x = sample(qs[-1], rng)
+            ids.append(x)
+            feed = [x]
+        return ids, (np.stack(qs) if qs else None)
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(min(length, self.cache.length))
+
+
+class PromptLookupDrafter:
+    """Model-free n-gram drafting: find the latest earlier occurrence of the context's last
+    n tokens (n = max_ngram .. 1) and propose the tokens that followed it. q is one-hot."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def reset(self, capacity: int) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, sampling: Sampling,
+                rng: np.random.Generator) -> tuple[list[int], None]:
+        tokens = np.asarray(context)
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            # Windows over tokens[:-1] start at most len-1-n, so every match is followed by
+            # at least one token and the context's own tail never matches itself.
+            windows = sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = hits[-1] + n
+                return tokens[start:start + k].tolist(), None
+        return [], None
+
+    def rollback(self, length: int) -> None:
+        pass

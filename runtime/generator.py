@@ -1,0 +1,216 @@
+"""The speculative decoding loop and the public `Generator` API.
+
+One step (DESIGN "The speculative step"):
+    drafts, q = drafter.propose(context, k)            # 1. K draft tokens and q_1..q_K
+    p = target([last token] + drafts)                  # 2. one call -> p_1..p_{K+1}
+    n, token = verify(drafts, q, p)                    # 3-6. accept a prefix, emit one more
+    rollback both caches to the n accepted rows         # KV rule: rollback = set length
+Plain decoding is the same step with k = 0, so the baseline shares every line of the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .backends import load_backend
+from .bundle import load_bundle
+from .drafters import ModelDrafter, PromptLookupDrafter
+from .kv_cache import KVCache, capacity_for
+from .params import Sampling, check_drafter, check_positive_int
+from .speculative import verify_greedy, verify_sampled
+from .stats import StepClock, summarize
+from .text import TextCodec
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict
+    stop_reason: str  # "eos", "stop_string" or "max_new_tokens"
+
+
+class Generator:
+    def __init__(self, bundle, target, draft, codec: TextCodec):
+        self.bundle = bundle
+        self.target = target
+        self.draft = draft
+        self.codec = codec
+        self.last_result: GenerationResult | None = None
+        self._cache: KVCache | None = None
+        self._model_drafter = ModelDrafter(draft) if draft is not None else None
+
+    @classmethod
+    def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
+                    threads: int | None = None) -> Generator:
+        """Load and validate a bundle folder and open its graphs on `backend`."""
+        bundle = load_bundle(path)
+        target = load_backend(backend, bundle.target, threads)
+        draft = load_backend(backend, bundle.draft, threads) if bundle.draft else None
+        return cls(bundle, target, draft, TextCodec(bundle))
+
+    @property
+    def max_context(self) -> int:
+        limits = [self.bundle.target.max_context]
+        if self.bundle.draft:
+            limits.append(self.bundle.draft.max_context)
+        return min(limits)
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Generate a completion; see `stream` for the arguments."""
+        for _ in self.stream(prompt, **kwargs):
+            pass
+        return self.last_result
+
+    def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
+               messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
+               max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = 0, draft_tokens: int = 4,
+               use_draft: bool = True, drafter: str = "model",
+               stop: Sequence[str] = ()) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
+
+        Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
+        `prompt_ids` or `messages`. `temperature=0` is greedy; `draft_tokens` is K;
+        `use_draft=False` is plain target-only decoding in the same loop.
+        """
+        ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
+        max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+        draft_tokens = check_positive_int("draft_tokens", draft_tokens)
+        sampling = Sampling(temperature, top_k, top_p)
+        if len(ids) + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the bundle's context of {self.max_context} tokens; "
+                             "shorten the prompt or lower max_new_tokens")
+        proposer = self._drafter(check_drafter(drafter)) if use_draft else None
+        stops = [s for s in stop if s]
+        if any(not isinstance(s, str) for s in stops):
+            raise ValueError(f"stop must be a list of strings, got {stop!r}")
+
+        clock = StepClock()
+        tokens: list[int] = []
+        reason = "max_new_tokens"
+        text = ""
+        chunks = self._decode(ids, max_new_tokens, sampling, draft_tokens if proposer else 0,
+                              proposer, np.random.default_rng(seed), clock)
+        eos = set(self.bundle.eos_token_ids)
+
+        def accepted() -> Iterator[list[int]]:
+            nonlocal reason
+            for chunk in chunks:
+                for i, tok in enumerate(chunk):
+                    if tok in eos:
+                        tokens.extend(chunk[:i + 1])
+                        reason = "eos"
+                        yield chunk[:i]
+                        return
+                tokens.extend(chunk)
+                yield chunk
+
+        for piece in self.codec.stream(accepted()):
+            if stops:
+                tail_from = max(0, len(text) - max(map(len, stops)))
+                text += piece
+                hit = [i for s in stops if (i := text.find(s, tail_from)) >= 0]
+                if hit:
+                    piece = piece[:len(piece) - (len(text) - min(hit))]
+                    text = text[:min(hit)]
+                    reason = "stop_string"
+                    if piece:
+                        yield piece
+                    break
+            yield piece
+        chunks.close()
+        if reason != "stop_string":
+            text = self.codec.decode(tokens)
+        clock.finish()
+        stats = summarize(clock, len(tokens), draft_tokens if proposer else 0,
+                          proposer.name if proposer else "none", self.target.name, reason)
+        self.last_result = GenerationResult(text, tokens, stats, reason)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _decode(self, prompt: list[int], max_new: int, sampling: Sampling, k_max: int,
+                drafter, rng: np.random.Generator, clock: StepClock) -> Iterator[list[int]]:
+        capacity = capacity_for(len(prompt) + max_new, self.max_context)
+        if self._cache is None or self._cache.capacity != capacity:
+            self._cache = self.target.new_cache(capacity)
+        cache = self._cache
+        cache.rollback(0)
+        if drafter:
+            drafter.reset(capacity)
+
+        with clock.time("prefill"):
+            logits = self.target.forward(cache, prompt, 1)
+        with clock.time("sampling"):
+            token = sampling.pick(logits[-1], rng)
+        context = [*prompt, token]
+        yield [token]
+        generated = 1
+        while generated < max_new:
+            # Never draft past max_new_tokens: the last slot is the target's own token.
+            k = min(k_max, max_new - generated - 1)
+            drafts, q = [], None
+            if drafter and k > 0:
+                with clock.time("draft"):
+                    drafts, q = drafter.propose(context, k, sampling, rng)
+                clock.draft_calls += len(drafts) if drafter.name == "model" else 1
+            with clock.time("target"):
+                logits = self.target.forward(cache, [context[-1], *drafts], len(drafts) + 1)
+            with clock.time("sampling"):
+                if sampling.greedy:
+                    n, token = verify_greedy(drafts, logits)
+                else:
+                    n, token = verify_sampled(drafts, q, sampling.probs(logits), rng)
+            clock.record_step(len(drafts), n)
+            # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
+            cache.rollback(len(context) + n)
+            if drafter:
+                drafter.rollback(len(context) + n)
+            new = [*drafts[:n], token]
+            context += new
+            generated += len(new)
+            yield new
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _drafter(self, name: str):
+        if name == "prompt-lookup":
+            return PromptLookupDrafter()
+        if self._model_drafter is None:
+            raise ValueError("this bundle has no draft model: use drafter='prompt-lookup' "
+                             "(--drafter prompt-lookup), use_draft=False (--no-draft), or "
+                             "re-export with --draft / --draft-layers")
+        return self._model_drafter
+
+    def _prompt_ids(self, prompt, prompt_ids, messages, raw) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("pass exactly one of prompt, prompt_ids or messages")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError("prompt is empty: give some text to continue")
+            if raw or not self.codec.has_chat_template:
+                ids = self.codec.encode(prompt)
+            else:
+                ids = self.codec.encode_chat([{"role": "user", "content": prompt}])
+        elif messages is not None:
+            if not messages:
+                raise ValueError("messages is empty: give at least one message")
+            ids = self.codec.encode_chat(messages)
+        else:
+            ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens: give some text to continue")
+        vocab = self.bundle.target.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt_ids must be in [0, {vocab}), got {bad[:5]}")
+        return ids

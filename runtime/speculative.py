@@ -1,0 +1,182 @@
+"""Verification of drafted tokens: the exact speculative step of DESIGN.md.
+
+Notation (DESIGN "The speculative step"): the draft proposed ``x_1..x_K`` from ``q_1..q_K``;
+one target pass gave ``p_1..p_{K+1}``; both already processed by
+:func:`specedge.runtime.sampling.process_logits` with the same settings.
+
+Sampled verification (steps 3, 4, 6), for ``i = 1..K``::
+
+    u_i ~ U[0, 1)
+    accept x_i  iff  u_i * q_i(x_i) < p_i(x_i)        # P(accept) = min(1, p_i(x_i) / q_i(x_i))
+    on the first rejection emit  y ~ norm(max(0, p_i - q_i))  and stop
+    if all K accepted, emit the bonus  y ~ p_{K+1}
+
+For ``x ~ q`` this emits ``y`` with probability
+``min(p, q)(y) + (sum_x max(0, q - p)(x)) * max(0, p - q)(y) / sum max(0, p - q) = p(y)``,
+because both sums are the total variation distance between p and q; so the output
+follows the target exactly, token by token, whatever the draft. Greedy verification
+(step 5) is the ``T -> 0`` limit: accept while ``x_i == argmax p_i``.
+
+Random numbers: :func:`verify_sampled` draws exactly one uniform per examined draft token
+plus one per emitted sample, all from the caller's ``numpy.random.Generator``, so a seeded
+run is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .sampling import sample
+
+__all__ = ["residual", "verify_greedy", "verify_sampled"]
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Residual distribution ``norm(max(0, p - q))`` sampled after a rejection (step 3).
+
+    Its support lies inside p's (``p - q > 0`` needs ``p > 0``), so a token that top-k or
+    top-p removed from the target can never be emitted. Its mass equals the rejection
+    probability ``sum_x q(x) (1 - min(1, p(x)/q(x)))``; when that mass is 0 (``p == q``)
+    a rejection cannot happen, and ``p`` is returned so the result is still a
+    distribution.
+
+    Args:
+        p: target probabilities, shape ``[V]``.
+        q: draft probabilities, shape ``[V]``.
+
+    Returns:
+        float64 probabilities, shape ``[V]``.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    r = np.subtract(p, q, dtype=np.float64)
+    np.maximum(r, 0.0, out=r)
+    mass = r.sum()
+    if not mass > 0:
+        return p
+    r /= mass
+    return r
+
+
+def verify_greedy(draft_ids: Sequence[int], target_logits: np.ndarray) -> tuple[int, int]:
+    """Greedy verification (DESIGN step 5).
+
+    Accept ``x_i`` while ``x_i == argmax p_i``; the next token is ``argmax`` of the first
+    mismatching row (the correction) or of row ``K`` (the bonus). Ties go to the lowest
+    token id (``np.argmax``), the same rule the draft must use.
+
+    Args:
+        draft_ids: the K drafted tokens (K may be 0).
+        target_logits: shape ``[K + 1, V]``; raw logits or probabilities (argmax only).
+
+    Returns:
+        ``(n_accepted, next_token)``; the step emits ``draft_ids[:n_accepted] + [next_token]``.
+
+    Raises:
+        ValueError: wrong shape, or a row whose argmax is NaN / ``-inf`` (all masked).
+    """
+    k = len(draft_ids)
+    logits = np.asarray(target_logits)
+    if logits.ndim != 2 or logits.shape[0] != k + 1:
+        raise ValueError(
+            f"verify_greedy: target_logits must have shape [K + 1, V] = [{k + 1}, V] for "
+            f"{k} draft tokens, got {logits.shape}"
+        )
+    best = np.argmax(logits, axis=-1)
+    # np.argmax stops at the first NaN and returns it; an all -inf row has no argmax
+    # worth emitting. One gather of K + 1 values catches both.
+    best_val = logits[np.arange(k + 1), best]
+    if not (best_val > -np.inf).all():
+        bad = np.flatnonzero(~(best_val > -np.inf)).tolist()
+        raise ValueError(
+            f"verify_greedy: target row(s) {bad} are all-masked (-inf) or contain NaN; "
+            "check the target model output and any logit masks"
+        )
+    mismatch = np.flatnonzero(best[:k] != np.asarray(draft_ids, dtype=np.int64).reshape(k))
+    n_accepted = int(mismatch[0]) if mismatch.size else k
+    return n_accepted, int(best[n_accepted])
+
+
+def verify_sampled(
+    draft_ids: Sequence[int],
+    q_probs: np.ndarray | None,
+    p_probs: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Sampled verification (DESIGN steps 3, 4 and 6).
+
+    For ``i = 0..K-1`` in order: draw ``u ~ U[0, 1)`` and accept ``x_i`` iff
+    ``u * q_i(x_i) < p_i(x_i)``, i.e. with probability ``min(1, p_i(x_i) / q_i(x_i))``
+    written without a division: it never accepts when ``p_i(x_i) = 0`` and always
+    accepts when ``p_i(x_i) >= q_i(x_i)`` (in particular when ``p == q``). On the first
+    rejection return ``(i, y)`` with ``y ~ residual(p_i, q_i)``; if all K are accepted
+    return ``(K, y)`` with the bonus ``y ~ p_K`` (step 4).
+
+    ``q_probs=None`` means model-free drafts (prompt lookup / n-gram, step 6): ``q_i`` is
+    one-hot at ``x_i``, so acceptance has probability ``p_i(x_i)`` and the residual is
+    ``p_i`` with ``x_i`` removed and renormalised. That is computed directly, without
+    building one-hot rows, and gives bit-identical results to passing them explicitly.
+
+    Random numbers: exactly one ``rng.random()`` per examined draft token plus one for
+    the emitted sample, i.e. ``n_accepted + 2`` draws after a rejection and ``K + 1``
+    when everything is accepted.
+
+    Args:
+        draft_ids: the K drafted tokens (K may be 0: just samples from ``p_probs[0]``).
+        q_probs: processed draft probabilities, shape ``[K, V]``, or None (one-hot).
+        p_probs: processed target probabilities, shape ``[K + 1, V]``.
+        rng: the generator the whole decode loop shares.
+
+    Returns:
+        ``(n_accepted, next_token)``; the step emits ``draft_ids[:n_accepted] + [next_token]``.
+
+    Raises:
+        ValueError: shapes that do not match ``K``, or a draft id outside ``[0, V)``.
+    """
+    k = len(draft_ids)
+    p_all = np.asarray(p_probs)
+    if p_all.ndim != 2 or p_all.shape[0] != k + 1:
+        raise ValueError(
+            f"verify_sampled: p_probs must have shape [K + 1, V] = [{k + 1}, V] for {k} "
+            f"draft tokens, got {p_all.shape}"
+        )
+    vocab = p_all.shape[1]
+    q_all = None if q_probs is None else np.asarray(q_probs)
+    if q_all is not None and q_all.shape != (k, vocab):
+        raise ValueError(
+            f"verify_sampled: q_probs must have shape [K, V] = [{k}, {vocab}], got {q_all.shape}"
+        )
+
+    for i, tok in enumerate(draft_ids):
+        x = int(tok)
+        if not 0 <= x < vocab:
+            # A negative id would silently index from the end of the row.
+            raise ValueError(
+                f"verify_sampled: draft token {x} at position {i} is not in [0, {vocab})"
+            )
+        p_x = p_all[i, x]
+        q_x = 1.0 if q_all is None else q_all[i, x]
+        if rng.random() * q_x < p_x:
+            continue
+        if q_all is None:
+            resid = _residual_one_hot(p_all[i], x)
+        else:
+            resid = residual(p_all[i], q_all[i])
+        return i, sample(resid, rng)
+    return k, sample(p_all[k], rng)
+
+
+def _residual_one_hot(p: np.ndarray, x: int) -> np.ndarray:
+    """``residual(p, onehot(x))`` without the one-hot row (DESIGN step 6).
+
+    ``max(0, p - e_x)`` is ``p`` everywhere except 0 at ``x``; same arithmetic as
+    :func:`residual`, so the two agree bit for bit.
+    """
+    r = np.array(p, dtype=np.float64)
+    r[x] = 0.0
+    mass = r.sum()
+    if not mass > 0:
+        return np.asarray(p, dtype=np.float64)
+    r /= mass
+    return r

@@ -1,0 +1,103 @@
+"""Timing and acceptance bookkeeping, and the figures DESIGN.md asks the runtime to report.
+
+With i.i.d. acceptance rate beta, K drafts and draft cost c (one draft call / one target
+call), the expected tokens per target call is (1 - beta^(K+1)) / (1 - beta) and the ideal
+speedup over plain decoding is (1 - beta^(K+1)) / ((1 - beta)(1 + cK)).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+class StepClock:
+    """Accumulates seconds per phase and acceptance counts per draft position."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.end = self.start
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.draft_calls = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.position_tries: list[int] = []
+        self.position_accepts: list[int] = []
+
+    @contextmanager
+    def time(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+            self.calls[phase] += 1
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        """Position i (0-based) was tried if i < drafted and accepted if i < accepted."""
+        grow = drafted - len(self.position_tries)
+        if grow > 0:
+            self.position_tries += [0] * grow
+            self.position_accepts += [0] * grow
+        for i in range(drafted):
+            self.position_tries[i] += 1
+        for i in range(accepted):
+            self.position_accepts[i] += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def finish(self) -> None:
+        self.end = time.perf_counter()
+
+
+def expected_tokens_per_call(beta: float, k: int) -> float:
+    """(1 - beta^(K+1)) / (1 - beta), the limit K + 1 at beta = 1."""
+    if beta >= 1.0:
+        return k + 1.0
+    return (1.0 - beta ** (k + 1)) / (1.0 - beta)
+
+
+def ideal_speedup(beta: float, k: int, c: float) -> float:
+    """(1 - beta^(K+1)) / ((1 - beta)(1 + cK))."""
+    return expected_tokens_per_call(beta, k) / (1.0 + c * k)
+
+
+def summarize(clock: StepClock, tokens: int, k: int, drafter: str, backend: str,
+              stop_reason: str) -> dict:
+    s = clock.seconds
+    total = clock.end - clock.start
+    decode = total - s["prefill"]
+    target_calls = clock.calls["target"]
+    beta = clock.accepted / clock.drafted if clock.drafted else 0.0
+    target_step = s["target"] / target_calls if target_calls else 0.0
+    draft_step = s["draft"] / clock.draft_calls if clock.draft_calls else 0.0
+    c = draft_step / target_step if target_step else 0.0
+    measured = [s["prefill"], s["draft"], s["target"], s["sampling"]]
+    return {
+        "tokens_generated": tokens,
+        "stop_reason": stop_reason,
+        "backend": backend,
+        "drafter": drafter,
+        "draft_tokens_k": k,
+        "target_calls": target_calls,
+        "draft_calls": clock.draft_calls,
+        "drafted_tokens": clock.drafted,
+        "accepted_tokens": clock.accepted,
+        "acceptance_rate": beta,
+        "acceptance_per_position": [a / t if t else 0.0 for a, t in
+                                    zip(clock.position_accepts, clock.position_tries)],
+        # The first token comes from the prefill call; the rest from decode target calls.
+        "tokens_per_target_call": (tokens - 1) / target_calls if target_calls else 0.0,
+        "time_total_s": total,
+        "time_prefill_s": s["prefill"],
+        "time_draft_s": s["draft"],
+        "time_target_s": s["target"],
+        "time_sampling_s": s["sampling"],
+        "time_other_s": max(0.0, total - sum(measured)),
+        "tokens_per_second": tokens / total if total > 0 else 0.0,
+        "decode_tokens_per_second": (tokens - 1) / decode if decode > 0 else 0.0,
+        "draft_cost_ratio_c": c,
+        "ideal_speedup": ideal_speedup(beta, k, c) if k else 1.0,
+    }

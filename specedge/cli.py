@@ -1,0 +1,59 @@
+"""`specedge <command>`: dispatches to the export half (torch) or the runtime half (no torch).
+
+Only the chosen half is imported, so `specedge generate` works where torch is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad usage: one line on stderr and exit status 2, never a usage dump or a traceback."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(message: str) -> None:
+    print(f"specedge: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(prog="specedge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    from specedge.runtime import cli as runtime_cli
+
+    runtime_cli.add_generate(sub)
+    export_parser = sub.add_parser("export", help="Hugging Face model -> bundle (needs the "
+                                   "export extra: pip install 'specedge[export]')")
+    add_export_arguments(export_parser)
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        try:
+            from specedge.export import cli as export_cli
+        except ImportError as e:
+            fail(f"`specedge export` needs the export extra ({e}): "
+                 "pip install 'specedge[export]'")
+        export_cli.run(args)
+    else:
+        runtime_cli.run_generate(args)
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint folder, .gguf file, or alias (smollm2-135m)")
+    p.add_argument("--out", required=True, help="bundle folder to write")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft", help="draft checkpoint sharing the target's tokenizer")
+    g.add_argument("--draft-layers", type=int, metavar="N",
+                   help="draft = the target's first N layers with its norm and head")
+    p.add_argument("--max-context", type=int, help="cap the context recorded in the bundle")
+    p.add_argument("--verify", action="store_true",
+                   help="compare the graphs with transformers; fail if they disagree")
+    p.add_argument("--force", action="store_true", help="re-export even if up to date")
+
+
+if __name__ == "__main__":
+    main()

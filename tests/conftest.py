@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny exported bundles (seconds) and the real SmolLM2 bundle (cached).
+
+The SmolLM2 bundle is exported once into the specedge cache (SPECEDGE_CACHE or
+~/.cache/specedge) and reused by later runs: `export_bundle` skips an up-to-date bundle.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import save_tiny  # noqa: E402
+
+from specedge.export.bundle import export_bundle  # noqa: E402
+from specedge.export.sources import cache_dir  # noqa: E402
+
+SMOLLM2_DRAFT_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: save_tiny(root / arch, arch) for arch in ("llama", "qwen2", "mistral", "gpt2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+    """Tiny Llama target (2 layers) with its first layer as the draft."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_self_draft_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+    """Draft == target: every draft token must be accepted."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny-self"
+    export_bundle(str(tiny_checkpoints["llama"]), out, draft=str(tiny_checkpoints["llama"]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle() -> Path:
+    out = cache_dir() / "bundles" / "smollm2-test"
+    export_bundle("smollm2-135m", out, draft_layers=SMOLLM2_DRAFT_LAYERS)
+    return out

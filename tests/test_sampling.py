@@ -1,0 +1,493 @@
+"""Unit tests for runtime/sampling.py and runtime/speculative.py on hand-built inputs.
+
+Statistical claims (the emitted token follows p) live in test_exactness.py; here every
+expectation is exact or a certainty (an event of probability 0 or 1 checked many times).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from specedge.runtime.sampling import process_logits, sample
+from specedge.runtime.speculative import residual, verify_greedy, verify_sampled
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def hf_reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Straight transcription of HF's Temperature -> TopK -> TopP warpers, then softmax.
+
+    TopK: ``scores < topk(scores, k)[..., -1]`` removed. TopP: ascending sort, cumulative
+    softmax, remove ``cum <= 1 - top_p``, keep the last. Stable sort for a defined tie
+    order. Full sorts everywhere: slow and obviously right.
+    """
+    x = np.array(logits, dtype=np.float64, ndmin=2) / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = np.sort(x, axis=-1)[:, -top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    if top_p < 1.0:
+        order = np.argsort(x, axis=-1, kind="stable")
+        cum = np.cumsum(softmax(np.take_along_axis(x, order, axis=-1)), axis=-1)
+        remove_sorted = cum <= 1.0 - top_p
+        remove_sorted[:, -1] = False
+        remove = np.empty_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        x = np.where(remove, -np.inf, x)
+    return softmax(x).reshape(np.shape(logits))
+
+
+class FixedUniform:
+    """Stand-in for np.random.Generator whose ``random()`` returns preset values."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+# --------------------------------------------------------------------------- process_logits
+
+
+def test_output_shape_dtype_and_normalisation():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 17)).astype(np.float32)
+    probs = process_logits(logits, 0.8, top_k=5, top_p=0.9)
+    assert probs.shape == (3, 17) and probs.dtype == np.float64
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, rtol=0, atol=1e-12)
+    one = process_logits(logits[1], 0.8, top_k=5, top_p=0.9)
+    assert one.shape == (17,)
+    np.testing.assert_array_equal(one, probs[1])
+
+
+def test_input_is_not_modified():
+    logits = np.array([1.0, 2.0, 3.0])
+    process_logits(logits, 0.5, top_k=2, top_p=0.5)
+    np.testing.assert_array_equal(logits, [1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0, 2.0, 10.0])
+def test_temperature_divides_logits(temperature):
+    logits = np.random.default_rng(1).normal(size=(4, 50)) * 3
+    np.testing.assert_allclose(
+        process_logits(logits, temperature), softmax(logits / temperature), rtol=1e-12, atol=0
+    )
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = np.array([2.0, 1.0, 0.0, -1.0])
+
+    def entropy(p: np.ndarray) -> float:
+        return float(-(p * np.log(p)).sum())
+
+    cold, plain, hot = (process_logits(logits, t) for t in (0.5, 1.0, 2.0))
+    assert entropy(cold) < entropy(plain) < entropy(hot)
+
+
+def test_huge_logits_and_tiny_temperature_are_stable():
+    probs = process_logits(np.array([1e4, 1e4 - 1.0, -1e4]), 1.0)
+    assert np.isfinite(probs).all()
+    np.testing.assert_allclose(probs[:2], softmax(np.array([0.0, -1.0])), rtol=1e-12)
+    # l / T would overflow to +inf; the max-shift keeps it a one-hot at the argmax.
+    probs = process_logits(np.array([1.0, 3.0, 2.0]), 1e-308)
+    np.testing.assert_array_equal(probs, [0.0, 1.0, 0.0])
+
+
+def test_top_k_keeps_k_largest():
+    logits = np.array([0.5, 3.0, -1.0, 2.0, 1.0])
+    probs = process_logits(logits, 1.0, top_k=2)
+    expected = np.zeros(5)
+    expected[[1, 3]] = softmax(np.array([3.0, 2.0]))
+    np.testing.assert_allclose(probs, expected, rtol=1e-12, atol=0)
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    # HF removes scores < k-th largest, so every token tied with the k-th value survives.
+    logits = np.array([1.0, 3.0, 3.0, 2.0, 3.0])
+    probs = process_logits(logits, 1.0, top_k=2)
+    np.testing.assert_allclose(probs, [0, 1 / 3, 1 / 3, 0, 1 / 3], rtol=1e-12, atol=0)
+    probs = process_logits(np.array([5.0, 2.0, 2.0, 1.0]), 1.0, top_k=2)
+    assert (probs > 0).tolist() == [True, True, True, False]
+
+
+def test_top_k_one_is_argmax_unless_tied():
+    logits = np.array([0.1, 0.7, 0.3])
+    np.testing.assert_array_equal(process_logits(logits, 0.7, top_k=1), [0.0, 1.0, 0.0])
+    np.testing.assert_allclose(
+        process_logits(np.array([0.7, 0.1, 0.7]), 1.0, top_k=1), [0.5, 0.0, 0.5]
+    )
+
+
+@pytest.mark.parametrize("top_k", [0, 6, 7, 1000])
+def test_top_k_zero_or_at_least_vocab_is_a_no_op(top_k):
+    logits = np.random.default_rng(2).normal(size=(2, 6))
+    np.testing.assert_allclose(
+        process_logits(logits, 0.9, top_k=top_k), softmax(logits / 0.9), rtol=1e-12, atol=0
+    )
+
+
+def test_top_p_hand_computed():
+    # probs [0.5, 0.3, 0.15, 0.05], top_p 0.75: ascending cum = [0.05, 0.2, 0.5, 1.0];
+    # drop cum <= 0.25, i.e. the 0.05 and 0.15 tokens.
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(
+        process_logits(logits, 1.0, top_p=0.75), [0.5 / 0.8, 0.3 / 0.8, 0, 0], rtol=1e-12
+    )
+    # top_p 0.4: drop cum <= 0.6 -> only the 0.5 token survives.
+    np.testing.assert_array_equal(process_logits(logits, 1.0, top_p=0.4), [1.0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-12, 1e-6])
+def test_tiny_top_p_keeps_only_argmax(top_p):
+    logits = np.random.default_rng(3).normal(size=(5, 300))
+    probs = process_logits(logits, 1.3, top_p=top_p)
+    expected = np.zeros_like(probs)
+    expected[np.arange(5), logits.argmax(axis=-1)] = 1.0
+    np.testing.assert_array_equal(probs, expected)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "scale", "temperature", "top_k", "top_p"),
+    [
+        (10, 1.0, 0.7, 0, 0.9),
+        (10, 1.0, 0.7, 5, 0.9),
+        (50, 3.0, 1.0, 0, 0.5),
+        (50, 3.0, 1.0, 20, 0.95),
+        (2000, 2.0, 0.8, 0, 0.9),  # > 4 x window: exercises the partition window path
+        (3000, 0.3, 2.0, 0, 0.999),  # flat: the window must grow to the whole row
+        (3000, 4.0, 0.6, 100, 0.8),
+        (3000, 4.0, 0.6, 2999, 0.3),
+    ],
+)
+def test_matches_hf_reference_on_random_logits(vocab, scale, temperature, top_k, top_p):
+    rng = np.random.default_rng(vocab + top_k)
+    for _ in range(20):
+        logits = rng.normal(size=(int(rng.integers(1, 10)), vocab)) * scale
+        got = process_logits(logits, temperature, top_k=top_k, top_p=top_p)
+        want = hf_reference(logits, temperature, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
+def test_matches_hf_reference_with_ties_and_masks():
+    # Coarsely rounded logits make ties everywhere; masked entries and every top-k /
+    # top-p setting on small vocabularies: the stable tie order must agree too.
+    rng = np.random.default_rng(4)
+    for _ in range(500):
+        vocab = int(rng.integers(2, 30))
+        logits = np.round(rng.normal(size=(int(rng.integers(1, 5)), vocab)) * 2)
+        logits[rng.random(logits.shape) < 0.2] = -np.inf
+        logits[:, 0] = np.where(np.isfinite(logits).any(axis=1), logits[:, 0], 0.0)
+        temperature = float(rng.choice([0.3, 1.0, 1.7]))
+        top_k = int(rng.integers(0, vocab + 2))
+        top_p = float(rng.choice([0.0, 0.3, 0.5, 0.9, 1.0]))
+        got = process_logits(logits, temperature, top_k=top_k, top_p=top_p)
+        want = hf_reference(logits, temperature, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
+def test_order_temperature_before_top_p():
+    # probs [0.6, 0.3, 0.1], top_p 0.8. At T = 1 top-p keeps {0, 1}; after T = 0.25 the
+    # distribution is [0.94, 0.059, 0.0007], cum = [0.0007, 0.06, 1] <= 0.2 -> only {0}.
+    # The opposite order (top-p, then temperature) would keep two tokens.
+    logits = np.log([0.6, 0.3, 0.1])
+    assert (process_logits(logits, 1.0, top_p=0.8) > 0).tolist() == [True, True, False]
+    np.testing.assert_array_equal(process_logits(logits, 0.25, top_p=0.8), [1.0, 0.0, 0.0])
+
+
+def test_order_top_k_before_top_p():
+    # probs [0.4, 0.3, 0.2, 0.1]. HF order: top-k 2 -> [0.571, 0.429]; top-p 0.5 drops
+    # cum 0.429 <= 0.5 -> only token 0. Top-p first would keep {0, 1}.
+    logits = np.log([0.4, 0.3, 0.2, 0.1])
+    np.testing.assert_array_equal(process_logits(logits, 1.0, top_k=2, top_p=0.5), [1, 0, 0, 0])
+    np.testing.assert_allclose(
+        process_logits(logits, 1.0, top_k=2, top_p=0.7), [0.4 / 0.7, 0.3 / 0.7, 0, 0]
+    )
+
+
+def test_full_composition_against_manual_steps():
+    logits = np.array([2.0, 1.5, 1.2, 0.3, -0.5, -2.0, 0.9, 1.9])
+    t_scaled = logits / 0.7
+    kth = np.sort(t_scaled)[-5]
+    after_k = np.where(t_scaled < kth, -np.inf, t_scaled)
+    np.testing.assert_allclose(
+        process_logits(logits, 0.7, top_k=5, top_p=0.9), hf_reference(after_k, 1.0, 0, 0.9)
+    )
+
+
+def test_minus_inf_logits_are_masked():
+    logits = np.array([-np.inf, 1.0, -np.inf, 0.0])
+    probs = process_logits(logits, 0.5)
+    assert probs[0] == 0.0 and probs[2] == 0.0
+    np.testing.assert_allclose(probs[[1, 3]], softmax(np.array([2.0, 0.0])))
+    # Fewer unmasked tokens than top_k: nothing more to drop, masks stay.
+    np.testing.assert_array_equal(process_logits(logits, 1.0, top_k=3) > 0, [0, 1, 0, 1])
+    np.testing.assert_array_equal(process_logits(logits, 1.0, top_p=0.5) > 0, [0, 1, 0, 0])
+
+
+def test_mostly_masked_rows():
+    # Large vocabularies with a narrow allow-list take the compacted top-k path.
+    rng = np.random.default_rng(5)
+    logits = np.full((3, 5000), -np.inf)
+    allowed = [rng.choice(5000, size=n, replace=False) for n in (40, 7, 300)]
+    for row, cols in enumerate(allowed):
+        logits[row, cols] = rng.normal(size=cols.size)
+    for top_k, top_p in [(10, 1.0), (10, 0.8), (0, 0.8), (500, 0.95)]:
+        got = process_logits(logits, 0.9, top_k=top_k, top_p=top_p)
+        want = hf_reference(logits, 0.9, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
+def test_all_masked_row_raises():
+    logits = np.zeros((3, 4))
+    logits[1] = -np.inf
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\] are all-masked"):
+        process_logits(logits, 1.0)
+    with pytest.raises(ValueError, match="all-masked"):
+        process_logits(np.full(5, -np.inf), 0.7, top_k=2, top_p=0.9)
+
+
+def test_nan_and_plus_inf_raise():
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] contain NaN"):
+        process_logits(np.array([[0.0, np.nan, 1.0], [0.0, 1.0, 2.0]]), 1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        process_logits(np.array([np.nan, -np.inf]), 1.0)
+    with pytest.raises(ValueError, match=r"\+inf"):
+        process_logits(np.array([0.0, np.inf]), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1.0, "top_k": -1}, "top_k"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temperature": 1.0, "top_p": -0.1}, "top_p"),
+    ],
+)
+def test_bad_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        process_logits(np.zeros(4), **kwargs)
+
+
+def test_bad_shape_raises():
+    with pytest.raises(ValueError, match="shape"):
+        process_logits(np.zeros((2, 2, 2)), 1.0)
+
+
+# --------------------------------------------------------------------------- sample
+
+
+def test_sample_never_draws_zero_probability_tokens():
+    p = np.array([0.0, 0.25, 0.0, 0.0, 0.5, 0.0, 0.25, 0.0])
+    rng = np.random.default_rng(6)
+    draws = np.array([sample(p, rng) for _ in range(10_000)])
+    counts = np.bincount(draws, minlength=p.size)
+    assert counts[p == 0].sum() == 0
+    assert (counts[p > 0] > 2000).all()
+
+
+def test_sample_extreme_uniforms_land_on_nonzero_tokens():
+    p = np.array([0.0, 0.0, 0.3, 0.7, 0.0, 0.0])
+    largest_u = np.nextafter(1.0, 0.0)
+    assert sample(p, FixedUniform(0.0)) == 2
+    assert sample(p, FixedUniform(largest_u)) == 3
+    assert sample(np.array([0.0, 1e-300, 0.0]), FixedUniform(largest_u)) == 1
+    # Unnormalised input is fine: the target point is scaled by the total.
+    assert sample(np.array([0.0, 2.0, 6.0, 0.0]), FixedUniform(0.26)) == 2
+
+
+def test_sample_uses_exactly_one_uniform():
+    p = np.array([0.2, 0.5, 0.3])
+    a, b = np.random.default_rng(7), np.random.default_rng(7)
+    sample(p, a)
+    b.random()
+    assert a.random() == b.random()
+
+
+@pytest.mark.parametrize(
+    "probs", [np.zeros(3), np.array([0.5, np.nan]), np.ones((2, 2)) / 4, np.array([])]
+)
+def test_sample_rejects_invalid_input(probs):
+    with pytest.raises(ValueError):
+        sample(probs, np.random.default_rng(0))
+
+
+# --------------------------------------------------------------------------- residual
+
+
+def test_residual_is_normalised_positive_part():
+    p = np.array([0.5, 0.2, 0.2, 0.1])
+    q = np.array([0.1, 0.4, 0.2, 0.3])
+    np.testing.assert_allclose(residual(p, q), [1.0, 0, 0, 0])
+    p = np.array([0.5, 0.3, 0.2, 0.0])
+    q = np.array([0.2, 0.1, 0.3, 0.4])
+    np.testing.assert_allclose(residual(p, q), [0.6, 0.4, 0, 0])
+
+
+def test_residual_of_equal_distributions_is_p():
+    p = np.array([0.1, 0.6, 0.3])
+    np.testing.assert_array_equal(residual(p, p.copy()), p)
+
+
+def test_residual_disjoint_supports_is_p():
+    p = np.array([0.7, 0.3, 0.0, 0.0])
+    q = np.array([0.0, 0.0, 0.4, 0.6])
+    np.testing.assert_allclose(residual(p, q), p, rtol=1e-15)
+
+
+def test_residual_support_inside_p_after_filtering():
+    rng = np.random.default_rng(8)
+    for _ in range(200):
+        logits = rng.normal(size=12)
+        p = process_logits(logits, 0.7, top_k=4, top_p=0.9)
+        q = process_logits(logits + rng.normal(size=12), 0.7, top_k=4, top_p=0.9)
+        r = residual(p, q)
+        assert (r[p == 0] == 0).all()
+        assert abs(r.sum() - 1.0) < 1e-12
+
+
+# --------------------------------------------------------------------------- verify_greedy
+
+
+def test_verify_greedy_k0_is_bonus_argmax():
+    assert verify_greedy([], np.array([[0.1, 0.9, 0.3]])) == (0, 1)
+
+
+def test_verify_greedy_full_accept_gives_bonus():
+    logits = np.eye(5)[[3, 1, 4, 2]]  # argmaxes 3, 1, 4 | bonus 2
+    assert verify_greedy([3, 1, 4], logits) == (3, 2)
+
+
+@pytest.mark.parametrize(("drafts", "expected"), [([0, 1, 4], (0, 3)), ([3, 0, 4], (1, 1))])
+def test_verify_greedy_first_mismatch_gives_correction(drafts, expected):
+    logits = np.eye(5)[[3, 1, 4, 2]]
+    assert verify_greedy(drafts, logits) == expected
+
+
+def test_verify_greedy_tie_takes_lowest_id():
+    logits = np.array([[0.0, 2.0, 2.0], [1.0, 1.0, 0.0]])
+    assert verify_greedy([2], logits) == (0, 1)
+    assert verify_greedy([1], logits) == (1, 0)
+    assert verify_greedy(np.array([1]), logits) == (1, 0)
+
+
+def test_verify_greedy_rejects_bad_rows_and_shapes():
+    with pytest.raises(ValueError, match="shape"):
+        verify_greedy([1, 2], np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\]"):
+        verify_greedy([0], np.array([[1.0, 0.0], [np.nan, 0.0]]))
+    with pytest.raises(ValueError, match="all-masked"):
+        verify_greedy([], np.full((1, 3), -np.inf))
+
+
+# --------------------------------------------------------------------------- verify_sampled
+
+
+def test_verify_sampled_p_equals_q_always_accepts():
+    rng = np.random.default_rng(9)
+    q = np.random.default_rng(10).dirichlet(np.ones(6), size=3)
+    p = np.vstack([q, np.full((1, 6), 1 / 6)])
+    for _ in range(2000):
+        drafts = [int(rng.integers(6)) for _ in range(3)]
+        assert verify_sampled(drafts, q, p, rng)[0] == 3
+
+
+def test_verify_sampled_disjoint_supports_always_rejects_at_zero():
+    p = np.array([[0.6, 0.4, 0.0, 0.0], [0.25] * 4])
+    q = np.array([[0.0, 0.0, 0.5, 0.5]])
+    rng = np.random.default_rng(11)
+    out = [verify_sampled([int(rng.integers(2, 4))], q, p, rng) for _ in range(2000)]
+    assert {n for n, _ in out} == {0}
+    assert {t for _, t in out} == {0, 1}  # the residual is p itself
+
+
+def test_verify_sampled_tiny_q_accepts():
+    # p(x) / q(x) = 3e11: accepted for every u in [0, 1), including the largest one.
+    p = np.array([[0.2, 0.3, 0.5], [1 / 3] * 3])
+    q = np.array([[1e-12, 0.5, 0.5 - 1e-12]])
+    assert verify_sampled([0], q, p, FixedUniform(np.nextafter(1.0, 0.0), 0.5)) == (1, 1)
+    rng = np.random.default_rng(12)
+    assert all(verify_sampled([0], q, p, rng)[0] == 1 for _ in range(2000))
+
+
+def test_verify_sampled_never_accepts_token_removed_by_filtering():
+    logits = np.array([3.0, 2.5, 2.0, 1.0, 0.5, 0.0])
+    p_row = process_logits(logits, 0.7, top_k=3, top_p=0.9)
+    q_row = process_logits(logits[::-1].copy(), 0.7)  # the draft loves token 5
+    assert p_row[5] == 0.0 and q_row[5] > 0.5
+    p = np.vstack([p_row, p_row])
+    rng = np.random.default_rng(13)
+    for q in (q_row[None], None):
+        for _ in range(2000):
+            n, tok = verify_sampled([5], q, p, rng)
+            assert n == 0 and p_row[tok] > 0
+    # Even the smallest uniform cannot accept it.
+    assert verify_sampled([5], q_row[None], p, FixedUniform(0.0, 0.5))[0] == 0
+
+
+def test_verify_sampled_k0_samples_the_bonus_row():
+    p = np.array([[0.0, 0.0, 1.0]])
+    rng = np.random.default_rng(14)
+    assert verify_sampled([], None, p, rng) == (0, 2)
+    assert verify_sampled([], np.zeros((0, 3)), p, rng) == (0, 2)
+
+
+def test_verify_sampled_one_hot_none_matches_explicit_one_hot():
+    rng = np.random.default_rng(15)
+    vocab, k = 7, 4
+    for seed in range(300):
+        p = rng.dirichlet(np.full(vocab, 0.5), size=k + 1)
+        drafts = rng.integers(vocab, size=k).tolist()
+        one_hot = np.eye(vocab)[drafts]
+        got_none = verify_sampled(drafts, None, p, np.random.default_rng(seed))
+        got_explicit = verify_sampled(drafts, one_hot, p, np.random.default_rng(seed))
+        assert got_none == got_explicit
+
+
+def test_verify_sampled_uniform_budget():
+    # One uniform per examined draft plus one for the emitted sample.
+    p = np.array([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.2, 0.8]])
+    q = p[:3].copy()
+    a, b = np.random.default_rng(16), np.random.default_rng(16)
+    assert verify_sampled([0, 1, 0], q, p, a)[0] == 3
+    b.random(4)
+    assert a.random() == b.random()
+
+    p = np.array([[1.0, 0.0], [0.5, 0.5]])
+    a, b = np.random.default_rng(17), np.random.default_rng(17)
+    assert verify_sampled([1], np.array([[0.0, 1.0]]), p, a) == (0, 0)
+    b.random(2)
+    assert a.random() == b.random()
+
+
+def test_verify_sampled_is_reproducible():
+    rng = np.random.default_rng(18)
+    p = rng.dirichlet(np.ones(9), size=5)
+    q = rng.dirichlet(np.ones(9), size=4)
+    drafts = [1, 5, 2, 7]
+    runs = [
+        [verify_sampled(drafts, q, p, g) for _ in range(50)]
+        for g in (np.random.default_rng(19), np.random.default_rng(19))
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_verify_sampled_validates_inputs():
+    p = np.full((2, 3), 1 / 3)
+    with pytest.raises(ValueError, match="p_probs"):
+        verify_sampled([0, 1], None, p, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="q_probs"):
+        verify_sampled([0], np.full((1, 4), 0.25), p, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="draft token -1"):
+        verify_sampled([-1], None, p, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="draft token 3"):
+        verify_sampled([3], None, p, np.random.default_rng(0))
