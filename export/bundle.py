@@ -17,10 +17,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import onnx
+from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
 from tqdm import tqdm
 
 from specedge import __version__
-from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
 
 from .draft import check_same_vocabulary, truncated_draft
 from .graph import OPSET, export_onnx, model_dims
@@ -33,25 +33,31 @@ _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16
            onnx.TensorProto.INT64: "int64"}
 
 
-def _io_spec(values) -> list[dict]:
-    out = []
-    for v in values:
-        t = v.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
-        out.append({"name": v.name, "dtype": _DTYPES.get(t.elem_type, str(t.elem_type)),
-                    "shape": shape})
-    return out
+def _io_spec(graph: onnx.GraphProto, dims: dict) -> tuple[list[dict], list[dict]]:
+    """Names and dtypes as the graph has them; shapes as the contract states them (the
+    exporter leaves some static dims symbolic)."""
+    kv = [1, dims["num_kv_heads"], None, dims["head_dim"]]
+    shapes = {"input_ids": [1, "T"], "position_ids": [1, "T"], "past_length": [1],
+              "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]]}
+
+    def entry(v) -> dict:
+        elem = v.type.tensor_type.elem_type
+        shape = shapes.get(v.name) or [d if d is not None else
+                                       ("C" if v.name.startswith("past") else "T") for d in kv]
+        return {"name": v.name, "dtype": _DTYPES.get(elem, str(elem)), "shape": shape}
+
+    return [entry(v) for v in graph.input], [entry(v) for v in graph.output]
 
 
 def _model_entry(model, path: Path, max_context: int | None) -> dict:
     dims = model_dims(model)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inputs, outputs = _io_spec(graph, dims)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
-    graph = onnx.load(str(path), load_external_data=False).graph
     return {"file": path.name, "architecture": model.config.model_type, **dims,
             "dtype": "float32", "precision": "fp32", "kv_layout": KV_LAYOUT,
-            "file_size": path.stat().st_size, "inputs": _io_spec(graph.input),
-            "outputs": _io_spec(graph.output)}
+            "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
 
 
 def _special_tokens(model, tokenizer) -> dict:

@@ -17,9 +17,8 @@ Attention over cache + new rows without concatenating them (softmax over the uni
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from specedge.runtime.bundle import graph_io
+from torch import nn
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2",)

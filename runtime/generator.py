@@ -10,7 +10,6 @@ Plain decoding is the same step with k = 0, so the baseline shares every line of
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,22 +113,25 @@ class Generator:
                 tokens.extend(chunk)
                 yield chunk
 
+        # Text that could be the start of a stop string is held back until it is not.
+        longest = max(map(len, stops), default=0)
+        emitted = 0
         for piece in self.codec.stream(accepted()):
-            if stops:
-                tail_from = max(0, len(text) - max(map(len, stops)))
-                text += piece
-                hit = [i for s in stops if (i := text.find(s, tail_from)) >= 0]
-                if hit:
-                    piece = piece[:len(piece) - (len(text) - min(hit))]
-                    text = text[:min(hit)]
-                    reason = "stop_string"
-                    if piece:
-                        yield piece
-                    break
-            yield piece
+            search_from = max(0, len(text) - longest)
+            text += piece
+            cut = min((i for s in stops if (i := text.find(s, search_from)) >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                reason = "stop_string"
+            ready = len(text) if cut >= 0 else len(text) - max(0, longest - 1)
+            if ready > emitted:
+                yield text[emitted:ready]
+                emitted = ready
+            if cut >= 0:
+                break
+        if emitted < len(text):
+            yield text[emitted:]
         chunks.close()
-        if reason != "stop_string":
-            text = self.codec.decode(tokens)
         clock.finish()
         stats = summarize(clock, len(tokens), draft_tokens if proposer else 0,
                           proposer.name if proposer else "none", self.target.name, reason)

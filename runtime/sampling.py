@@ -32,7 +32,12 @@ def process_logits(
        ``TopPLogitsWarper``; ``top_p = 1.0`` disables);
 
     then ``softmax`` over the survivors. Tokens whose logit is ``-inf`` are masked
-    (probability exactly 0) and stay masked.
+    (probability exactly 0) and stay masked. Ties are broken by token id (a stable sort),
+    where HF's ``torch.sort`` leaves them unspecified.
+
+    Cost per row of V logits: O(V) without top-p (``np.partition`` for top-k, no sort);
+    with top-p, a partition plus a sort of the few hundred largest logits for typical
+    LM distributions (see :func:`_mask_top_p`), a full sort only for very flat ones.
 
     Args:
         logits: shape ``[V]`` or ``[N, V]``, any float dtype.
@@ -111,15 +116,15 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     u = rng.random()
     idx = int(np.searchsorted(cdf, u * total, side="right"))
     if idx >= p.shape[0]:
-        # Unreachable for a valid p (u < 1 gives t < c[-1]); kept as a guard against
-        # negative entries. The last token might have p = 0, so fall back to the last
-        # token that can actually be drawn, never to a blind V - 1.
+        # Unreachable as far as we know: u < 1 makes u * c[-1] < c[-1] in floating point
+        # too. Cheap insurance all the same; p[V-1] may be 0, so clamp to the last token
+        # that can actually be drawn, never to a blind V - 1.
         idx = int(np.flatnonzero(p > 0)[-1])
     return idx
 
 
 # Initial candidate window of the top-p search; the nucleus of a sharpened LM
-# distribution is usually far smaller, a flat one makes the window grow (x8 per round).
+# distribution is usually far smaller, a flat one makes the window grow (x16 per round).
 _TOP_P_WINDOW = 256
 
 

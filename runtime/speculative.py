@@ -109,9 +109,11 @@ def verify_sampled(
     For ``i = 0..K-1`` in order: draw ``u ~ U[0, 1)`` and accept ``x_i`` iff
     ``u * q_i(x_i) < p_i(x_i)``, i.e. with probability ``min(1, p_i(x_i) / q_i(x_i))``
     written without a division: it never accepts when ``p_i(x_i) = 0`` and always
-    accepts when ``p_i(x_i) >= q_i(x_i)`` (in particular when ``p == q``). On the first
-    rejection return ``(i, y)`` with ``y ~ residual(p_i, q_i)``; if all K are accepted
-    return ``(K, y)`` with the bonus ``y ~ p_K`` (step 4).
+    accepts when ``p_i(x_i) >= q_i(x_i)`` (in particular when ``p == q``; a draft token
+    with ``q_i(x_i) = 0``, which a correct draft never proposes, counts as ratio
+    ``+inf``). On the first rejection return ``(i, y)`` with ``y ~ residual(p_i, q_i)``;
+    if all K are accepted return ``(K, y)`` with the bonus ``y ~ p_K`` (step 4; rows
+    are 0-based here, so ``p_K`` is DESIGN's ``p_{K+1}``).
 
     ``q_probs=None`` means model-free drafts (prompt lookup / n-gram, step 6): ``q_i`` is
     one-hot at ``x_i``, so acceptance has probability ``p_i(x_i)`` and the residual is

@@ -134,13 +134,15 @@ ALPHA_EACH = ALPHA_FAMILY / N_CHI2_TESTS
 
 
 def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness-of-fit p-value of ``counts`` against ``probs``.
+    """Goodness-of-fit p-value of ``counts`` against ``probs`` (chi-square, or binomial).
 
     - A count on a token with ``probs == 0`` is an impossible event: p-value 0.
     - Zero-probability tokens are then left out (they carry no degree of freedom).
     - Cells with expected count below MIN_EXPECTED are pooled, smallest first, into one
-      cell that is grown until it reaches MIN_EXPECTED too.
-    - Fewer than two cells left means there is nothing to test: p-value 1.
+      cell that grows until it reaches MIN_EXPECTED too, but never into the last cell.
+    - Two cells with one still below MIN_EXPECTED (all mass but a sliver on one token):
+      the chi-square approximation is invalid, but two cells are a binomial, tested
+      exactly. One cell (a single possible token): nothing to test, p-value 1.
     """
     counts = np.asarray(counts, dtype=np.float64).ravel()
     probs = np.asarray(probs, dtype=np.float64).ravel()
@@ -153,13 +155,15 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     order = np.argsort(expected, kind="stable")
     expected, observed = expected[order], observed[order]
     n_pool = int((expected < MIN_EXPECTED).sum())
-    while 0 < n_pool < expected.size and expected[:n_pool].sum() < MIN_EXPECTED:
+    while 0 < n_pool < expected.size - 1 and expected[:n_pool].sum() < MIN_EXPECTED:
         n_pool += 1
-    if n_pool:
+    if n_pool > 1:
         expected = np.r_[expected[:n_pool].sum(), expected[n_pool:]]
         observed = np.r_[observed[:n_pool].sum(), observed[n_pool:]]
     if expected.size < 2:
         return 1.0
+    if expected.size == 2 and expected.min() < MIN_EXPECTED:
+        return float(stats.binomtest(int(observed[0]), int(n), expected[0] / n).pvalue)
     return float(stats.chisquare(observed, expected).pvalue)
 
 
@@ -362,3 +366,7 @@ def test_gof_pvalue_helper_edge_cases():
     assert gof_pvalue(np.array([500, 500, 0]), tiny) > 0.5
     assert gof_pvalue(np.array([500, 499, 1]), tiny) > 0.5
     assert gof_pvalue(np.array([900, 100, 0]), tiny) < 1e-12
+    # All but a sliver on one token: exact binomial on the sliver.
+    sliver = np.array([1e-6, 1 - 2e-6, 1e-6])
+    assert gof_pvalue(np.array([0, 10_000, 0]), sliver) == pytest.approx(1.0)
+    assert gof_pvalue(np.array([2, 9_995, 3]), sliver) < 1e-9

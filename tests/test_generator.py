@@ -1,0 +1,176 @@
+"""The speculative loop on tiny exported models: greedy equality, exact sampling
+distribution (two-sample test), drafters, stopping, streaming and statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+from specedge.runtime import Generator
+from specedge.runtime.drafters import PromptLookupDrafter
+from specedge.runtime.params import Sampling
+
+PROMPTS = ["hello world", "the cat sat on the mat", "a, b, c!", "why?"]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_bundle):
+    return Generator.from_bundle(tiny_bundle)
+
+
+@pytest.fixture(scope="module")
+def self_gen(tiny_self_draft_bundle):
+    return Generator.from_bundle(tiny_self_draft_bundle)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+def test_greedy_speculative_equals_plain(gen, k, drafter):
+    for prompt in PROMPTS:
+        plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=k,
+                            drafter=drafter)
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert plain.stats["draft_calls"] == 0 and plain.stats["tokens_per_target_call"] == 1
+
+
+def test_draft_equal_to_target_accepts_everything(self_gen):
+    out = self_gen.generate(prompt_ids=[1, 5, 6], max_new_tokens=41, draft_tokens=4)
+    s = out.stats
+    assert s["stop_reason"] == "max_new_tokens"
+    assert s["acceptance_rate"] == 1.0
+    assert s["acceptance_per_position"] == [1.0] * 4
+    assert s["tokens_per_target_call"] == 5.0  # K accepted + 1 bonus per call
+
+
+def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
+    """p == q: u * q < p holds for every u in [0, 1) up to float rounding between calls."""
+    out = self_gen.generate(prompt_ids=[1, 5, 6], max_new_tokens=40, draft_tokens=4,
+                            temperature=1.0, seed=3)
+    assert out.stats["drafted_tokens"] > 20
+    assert out.stats["acceptance_rate"] > 0.97
+
+
+def _first_two(gen, n, seed0, **kw):
+    pairs = Counter()
+    for i in range(n):
+        out = gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=2, seed=seed0 + i, **kw)
+        pairs[tuple(out.token_ids[:2])] += 1
+    return pairs
+
+
+def _two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
+    """Chi-square test of homogeneity; cells rarer than min_count in total are pooled."""
+    cells = sorted(set(a) | set(b))
+    common = [c for c in cells if a[c] + b[c] >= min_count]
+    rare = [c for c in cells if a[c] + b[c] < min_count]
+    table = [[a[c] for c in common] + [sum(a[c] for c in rare)],
+             [b[c] for c in common] + [sum(b[c] for c in rare)]]
+    table = np.array(table)
+    table = table[:, table.sum(axis=0) > 0]
+    return chi2_contingency(table)[1]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0),
+                                      dict(temperature=0.7, top_k=8, top_p=0.9)])
+def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
+    """Two-sample chi-square on the joint of the first two generated tokens.
+
+    N = 1500 generations per arm (seeds 0.. and 10000..), alpha = 0.001. The draft is the
+    target's first layer, so p != q and rejections and residual draws really happen.
+    """
+    plain = _first_two(gen, 1500, 0, use_draft=False, **sampling)
+    spec = _first_two(gen, 1500, 10_000, draft_tokens=2, **sampling)
+    assert _two_sample_pvalue(plain, spec) > 0.001
+
+
+def test_two_sample_check_has_power(gen):
+    """Negative control: the same check tells temperature 1.0 from 0.8 at the same N."""
+    a = _first_two(gen, 1500, 0, use_draft=False, temperature=1.0)
+    b = _first_two(gen, 1500, 10_000, use_draft=False, temperature=0.8)
+    assert _two_sample_pvalue(a, b) < 0.001
+
+
+def test_sampling_is_reproducible_with_a_seed(gen):
+    a = gen.generate("hello", raw=True, temperature=0.9, seed=5, max_new_tokens=30)
+    b = gen.generate("hello", raw=True, temperature=0.9, seed=5, max_new_tokens=30)
+    c = gen.generate("hello", raw=True, temperature=0.9, seed=6, max_new_tokens=30)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stream_pieces_join_to_the_text(gen):
+    pieces = list(gen.stream("the cat", raw=True, max_new_tokens=30))
+    assert "".join(pieces) == gen.last_result.text
+    assert len(pieces) > 1
+
+
+def test_chat_template_is_applied(gen):
+    chat = gen.generate("hi", max_new_tokens=3)
+    same = gen.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=3)
+    manual = gen.generate(prompt_ids=gen.codec.encode("<s>user: hi\n<s>assistant: "),
+                          max_new_tokens=3)
+    assert chat.token_ids == same.token_ids == manual.token_ids
+    assert gen.codec.encode_chat([{"role": "user", "content": "hi"}]) == \
+        gen.codec.encode("<s>user: hi\n<s>assistant: ")
+
+
+def test_stops_at_eos(gen):
+    """Find a prompt whose greedy continuation hits EOS (id 2) and check the stop."""
+    eos_runs = []
+    for prompt in ["a", "b", "c", "hello", "why", "the end.", "ok!", "yes", "no"]:
+        out = gen.generate(prompt, raw=True, max_new_tokens=200, temperature=1.0, seed=1)
+        if out.stop_reason == "eos":
+            eos_runs.append(out)
+    assert eos_runs, "no sampled run reached EOS in 200 tokens"
+    for out in eos_runs:
+        assert out.token_ids[-1] == 2 and 2 not in out.token_ids[:-1]
+        assert out.stats["stop_reason"] == "eos"
+
+
+def test_stops_at_a_stop_string(gen):
+    full = gen.generate("the cat", raw=True, max_new_tokens=60)
+    stop = full.text[10:12]
+    out = gen.generate("the cat", raw=True, max_new_tokens=60, stop=[stop])
+    assert out.stop_reason == "stop_string"
+    assert out.text == full.text[:full.text.find(stop)]
+    pieces = list(gen.stream("the cat", raw=True, max_new_tokens=60, stop=[stop]))
+    assert "".join(pieces) == out.text
+
+
+def test_max_new_tokens_is_exact(gen):
+    for k in (1, 4, 9):
+        out = gen.generate("hello", raw=True, max_new_tokens=13, draft_tokens=k)
+        if out.stop_reason == "max_new_tokens":
+            assert len(out.token_ids) == 13
+
+
+def test_stats_are_consistent(gen):
+    s = gen.generate("the cat sat", raw=True, max_new_tokens=50, draft_tokens=3).stats
+    for key in ("tokens_generated", "target_calls", "draft_calls", "acceptance_rate",
+                "acceptance_per_position", "tokens_per_target_call", "time_draft_s",
+                "time_target_s", "time_sampling_s", "time_other_s", "draft_cost_ratio_c",
+                "ideal_speedup", "draft_tokens_k"):
+        assert key in s
+    assert s["draft_tokens_k"] == 3
+    assert s["accepted_tokens"] <= s["drafted_tokens"] <= 3 * s["target_calls"]
+    assert s["tokens_generated"] - 1 == s["target_calls"] + s["accepted_tokens"]
+    assert 0 <= s["acceptance_rate"] <= 1 and len(s["acceptance_per_position"]) == 3
+    assert s["draft_calls"] == s["drafted_tokens"]
+    assert s["draft_cost_ratio_c"] > 0
+    parts = sum(s[k] for k in ("time_prefill_s", "time_draft_s", "time_target_s",
+                               "time_sampling_s", "time_other_s"))
+    assert parts == pytest.approx(s["time_total_s"], rel=1e-6)
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_last_match():
+    d = PromptLookupDrafter(max_ngram=3)
+    rng = np.random.default_rng(0)
+    ids, q = d.propose([5, 6, 7, 8, 9, 1, 5, 6, 7], 3, Sampling(), rng)
+    assert ids == [8, 9, 1] and q is None
+    ids, _ = d.propose([1, 2, 3, 1, 2, 4, 1, 2], 2, Sampling(), rng)
+    assert ids == [4, 1]  # the most recent match of "1 2"
+    assert d.propose([1, 2, 3], 3, Sampling(), rng)[0] == []
