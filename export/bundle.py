@@ -17,14 +17,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 import onnx
-from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
 from tqdm import tqdm
 
 from specedge import __version__
+from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
 
-from .draft import check_same_vocabulary, truncated_draft
-from .graph import OPSET, export_onnx, model_dims
-from .sources import load_model
+from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
+from .graph import OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
+from .sources import load_model, resolve_checkpoint
 from .verify import verify_graph
 
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -84,6 +84,36 @@ def is_current(out: Path, args: dict) -> bool:
     return manifest.get("format_version") == FORMAT_VERSION and manifest.get("source") == args
 
 
+def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | None,
+               max_context: int | None) -> tuple[Path, Path | None]:
+    """Every check that needs no weights, before any slow work: bad input fails at once."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if draft is not None and draft_layers is not None:
+        raise ValueError("pass --draft or --draft-layers, not both")
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise ValueError(f"--max-context must be an integer >= 1, got {max_context!r}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the bundle")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ValueError(f"--out {out} is a folder that is not a bundle; exporting would "
+                         "replace its contents: give a new or empty folder")
+    target_path = resolve_checkpoint(model)
+    target_config = AutoConfig.from_pretrained(target_path)
+    if target_config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {target_config.model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if draft_layers is not None:
+        check_draft_layers(target_config, draft_layers)
+    draft_path = None
+    if draft is not None:
+        draft_path = resolve_checkpoint(draft)
+        check_same_vocabulary(target_config, AutoTokenizer.from_pretrained(target_path),
+                              AutoConfig.from_pretrained(draft_path),
+                              AutoTokenizer.from_pretrained(draft_path))
+    return target_path, draft_path
+
+
 def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
                   verify: bool = False, force: bool = False) -> dict:
@@ -92,42 +122,35 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     Skips the work when `out` already holds a bundle made with the same arguments, unless
     `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers.
     """
+    from transformers.utils import logging as hf_logging
+
     out = Path(out)
     args = export_args(model, draft, draft_layers, max_context)
     if not force and is_current(out, args):
         print(f"bundle {out} is up to date (use --force to re-export)", file=sys.stderr)
         return json.loads((out / MANIFEST).read_text())
-    if draft and draft_layers:
-        raise ValueError("pass --draft or --draft-layers, not both")
-    if max_context is not None and max_context < 1:
-        raise ValueError(f"--max-context must be >= 1, got {max_context}")
+    target_path, draft_path = _preflight(out, model, draft, draft_layers, max_context)
+    hf_logging.disable_progress_bar()  # one progress bar: ours
 
-    steps = ["load target", "load draft", "export target graph", "export draft graph"]
+    steps = ["load models", "export target graph", "export draft graph"]
     steps += ["verify graphs"] if verify else []
-    progress = tqdm(steps, desc="export", unit="step", file=sys.stderr)
-
-    def step(name: str) -> None:
-        progress.set_postfix_str(name)
-
-    step("load target")
-    target, tokenizer = load_model(model)
-    progress.update()
-    step("load draft")
-    draft_model = None
-    if draft:
-        draft_model, draft_tok = load_model(draft)
-        check_same_vocabulary(target, tokenizer, draft_model, draft_tok)
-    elif draft_layers:
-        draft_model = truncated_draft(target, draft_layers)
-    progress.update()
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    progress = tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr)
     try:
-        step("export target graph")
+        progress.set_postfix_str("load models")
+        target, tokenizer = load_model(target_path)
+        draft_model = None
+        if draft_path is not None:
+            draft_model = load_model(draft_path)[0]
+        elif draft_layers is not None:
+            draft_model = truncated_draft(target, draft_layers)
+        progress.update()
+
+        progress.set_postfix_str("export target graph")
         export_onnx(target, str(tmp / "target.onnx"))
         progress.update()
-        step("export draft graph")
+        progress.set_postfix_str("export draft graph")
         if draft_model is not None:
             export_onnx(draft_model, str(tmp / "draft.onnx"))
         progress.update()
@@ -137,12 +160,13 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
             models["draft"] = _model_entry(draft_model, tmp / "draft.onnx", max_context)
         report = {}
         if verify:
-            step("verify graphs")
+            progress.set_postfix_str("verify graphs")
             prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
             for role, m in (("target", target), ("draft", draft_model)):
                 if m is not None:
                     report[role] = verify_graph(m, tmp / f"{role}.onnx", prompt)
             progress.update()
+        progress.close()
 
         tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
         tok_entry = {"file": "tokenizer.json", **_special_tokens(target, tokenizer),
@@ -164,11 +188,11 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
             "verify": report or None,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        progress.close()
         failed = [role for role, r in report.items() if not r["ok"]]
         if failed:
             raise RuntimeError(f"--verify failed for {', '.join(failed)}: "
                                f"{json.dumps({r: report[r] for r in failed})}")
+        tmp.chmod(0o755)  # mkdtemp makes it private
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

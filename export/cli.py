@@ -18,6 +18,8 @@ def run(args: argparse.Namespace) -> None:
                                  verify=args.verify, force=args.force)
     except (ValueError, RuntimeError, OSError) as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written")
     for role, report in (manifest.get("verify") or {}).items():
         print(f"verify {role}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
               f"(atol {report['atol']:g}), greedy {report['greedy_matches']}/"

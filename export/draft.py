@@ -8,30 +8,37 @@ import copy
 from torch import nn
 
 
-def truncated_draft(target: nn.Module, num_layers: int) -> nn.Module:
-    """A copy of `target` keeping only its first `num_layers` decoder layers."""
-    cfg = target.config
-    total = cfg.n_layer if cfg.model_type == "gpt2" else cfg.num_hidden_layers
-    if not 1 <= num_layers < total:
+def num_layers(config) -> int:
+    return config.n_layer if config.model_type == "gpt2" else config.num_hidden_layers
+
+
+def check_draft_layers(config, layers: int) -> None:
+    total = num_layers(config)
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < total:
         raise ValueError(f"--draft-layers must be in [1, {total - 1}] for this "
-                         f"{total}-layer target, got {num_layers}")
+                         f"{total}-layer target, got {layers!r}")
+
+
+def truncated_draft(target: nn.Module, layers: int) -> nn.Module:
+    """A copy of `target` keeping only its first `layers` decoder layers."""
+    check_draft_layers(target.config, layers)
     draft = copy.deepcopy(target)
-    if cfg.model_type == "gpt2":
-        draft.transformer.h = draft.transformer.h[:num_layers]
-        draft.config.n_layer = num_layers
+    if target.config.model_type == "gpt2":
+        draft.transformer.h = draft.transformer.h[:layers]
+        draft.config.n_layer = layers
     else:
-        draft.model.layers = draft.model.layers[:num_layers]
-        draft.config.num_hidden_layers = num_layers
+        draft.model.layers = draft.model.layers[:layers]
+        draft.config.num_hidden_layers = layers
         if getattr(draft.config, "layer_types", None):
-            draft.config.layer_types = draft.config.layer_types[:num_layers]
+            draft.config.layer_types = draft.config.layer_types[:layers]
     return draft
 
 
-def check_same_vocabulary(target: nn.Module, target_tok, draft: nn.Module, draft_tok) -> None:
+def check_same_vocabulary(target_config, target_tok, draft_config, draft_tok) -> None:
     """Refuse a draft whose token ids do not mean the same as the target's."""
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs "
-                         f"from the target's ({target.config.vocab_size}): speculative "
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft_config.vocab_size} tokens) differs "
+                         f"from the target's ({target_config.vocab_size}): speculative "
                          "decoding needs a draft with the target's tokenizer")
     if draft_tok.get_vocab() != target_tok.get_vocab():
         raise ValueError("the draft's tokenizer maps tokens to different ids than the "

@@ -16,9 +16,13 @@ Attention over cache + new rows without concatenating them (softmax over the uni
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
+import onnx.numpy_helper
 import torch
-from specedge.runtime.bundle import graph_io
 from torch import nn
+
+from specedge.runtime.bundle import graph_io
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2",)
@@ -55,6 +59,11 @@ def _last_positions(hidden: torch.Tensor, logits_to_keep: torch.Tensor) -> torch
     return hidden[:, start:]
 
 
+def _lm_head(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    flat = hidden.reshape(-1, hidden.shape[-1])  # 2-D, so that `share_tied_head` applies
+    return head(flat).unsqueeze(0)
+
+
 class LlamaFamilyDecoder(nn.Module):
     """Llama, Mistral and Qwen2: pre-norm blocks, rotary positions, grouped-query attention."""
 
@@ -83,7 +92,7 @@ class LlamaFamilyDecoder(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             presents += [k, v]
         x = base.norm(_last_positions(x, logits_to_keep))
-        return (self.model.lm_head(x), *presents)
+        return (_lm_head(self.model.lm_head, x), *presents)
 
 
 class GPT2Decoder(nn.Module):
@@ -111,7 +120,7 @@ class GPT2Decoder(nn.Module):
             x = x + block.mlp(block.ln_2(x))
             presents += [k, v]
         x = base.ln_f(_last_positions(x, logits_to_keep))
-        return (self.model.lm_head(x), *presents)
+        return (_lm_head(self.model.lm_head, x), *presents)
 
 
 def model_dims(model: nn.Module) -> dict[str, int]:
@@ -142,6 +151,36 @@ def wrap(model: nn.Module) -> nn.Module:
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+def share_tied_head(path: str) -> bool:
+    """Make the LM head read the embedding table instead of its own transposed copy.
+
+    The exporter folds `x @ W^T` into MatMul(x, W^T) with W^T stored as a second initializer;
+    for tied embeddings that is a duplicate of the largest tensor (113 MB for SmolLM2).
+    Gemm(x, W, transB=1) computes the same product from W itself.
+    """
+    m = onnx.load(path)
+    inits = {i.name: i for i in m.graph.initializer}
+    gathers = [n.input[0] for n in m.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    changed = False
+    for node in m.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        head = onnx.numpy_helper.to_array(inits[node.input[1]])
+        for name in gathers:
+            table = inits[name]
+            if list(table.dims) == list(head.shape[::-1]) and np.array_equal(
+                    onnx.numpy_helper.to_array(table), head.T):
+                m.graph.initializer.remove(inits.pop(node.input[1]))
+                node.op_type = "Gemm"
+                node.input[1] = name
+                node.attribute.append(onnx.helper.make_attribute("transB", 1))
+                changed = True
+                break
+    if changed:
+        onnx.save(m, path)
+    return changed
+
+
 def export_onnx(model: nn.Module, path: str) -> None:
     """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O."""
     dims = model_dims(model)
@@ -161,3 +200,5 @@ def export_onnx(model: nn.Module, path: str) -> None:
         torch.onnx.export(wrap(model).eval(), args, path, input_names=inputs,
                           output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
                           dynamo=False)
+    if model.config.tie_word_embeddings:
+        share_tied_head(path)

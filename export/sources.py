@@ -101,12 +101,12 @@ def resolve_checkpoint(source: str) -> Path:
                      f"file, or a known alias ({', '.join(ALIASES)})")
 
 
-def load_model(source: str):
+def load_model(source: str | Path):
     """(model, tokenizer) in fp32 eval mode for `source`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_checkpoint(source)
+    path = resolve_checkpoint(str(source))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, tokenizer

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+
 from specedge.runtime.backends import OrtCpuBackend
 from specedge.runtime.bundle import ModelSpec
-from torch import nn
 
 from .graph import model_dims
 

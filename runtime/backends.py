@@ -7,6 +7,8 @@ cache, return logits for the last `logits_to_keep` positions. Backends are chose
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .bundle import ModelSpec, graph_io
@@ -41,10 +43,7 @@ class OrtCpuBackend:
             raise BundleError(f"ONNX Runtime could not load {spec.path}: {e}; the file is "
                               "corrupt or not an ONNX graph: re-export the bundle") from e
         self._inputs, self._outputs = graph_io(spec.num_layers)
-        graph_inputs = {i.name for i in self.session.get_inputs()}
-        if graph_inputs != set(self._inputs):
-            raise BundleError(f"{spec.path} does not have the bundle's inputs "
-                              f"(expected {self._inputs[:5]}...); re-export the bundle")
+        _check_graph(self.session, spec, self._inputs)
         self._binding = self.session.io_binding()
         self._ids = np.zeros((1, 0), np.int64)
         self._past_length = np.zeros(1, np.int64)
@@ -101,8 +100,34 @@ class OrtCpuBackend:
         return self._logits[0]
 
 
+def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
+    """The graph must have the contract's inputs and the manifest's static sizes."""
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    if set(inputs) != set(names):
+        raise BundleError(f"{spec.path} does not have the bundle's inputs (expected "
+                          f"{names[:5]}...); re-export the bundle")
+    checks = [("num_kv_heads", inputs[names[4]][1], spec.num_kv_heads),
+              ("head_dim", inputs[names[4]][3], spec.head_dim),
+              ("vocab_size", session.get_outputs()[0].shape[2], spec.vocab_size)]
+    for field, graph_value, manifest_value in checks:
+        if isinstance(graph_value, int) and graph_value != manifest_value:
+            raise BundleError(f"{spec.path} has {field} {graph_value} but the manifest says "
+                              f"{manifest_value}: the manifest does not describe this graph; "
+                              "re-export the bundle")
+
+
+def check_threads(threads: int | None) -> int | None:
+    limit = 4 * (os.cpu_count() or 1)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= limit):
+        raise ValueError(f"threads must be an integer in [1, {limit}] (or None for all "
+                         f"cores), got {threads!r}")
+    return threads
+
+
 def load_backend(name: str, spec: ModelSpec, threads: int | None = None) -> OrtCpuBackend:
     """The backend called `name` for one graph; ValueError for an unknown name."""
+    check_threads(threads)
     if name == "ort-cpu":
         try:
             import onnxruntime  # noqa: F401

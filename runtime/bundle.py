@@ -92,14 +92,23 @@ class Bundle:
     eos_token: str | None
 
 
-_MODEL_KEYS = ("file", "num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_context",
-               "dtype", "file_size", "kv_layout")
+_MODEL_FIELDS = {"file": str, "num_layers": int, "num_kv_heads": int, "head_dim": int,
+                 "vocab_size": int, "max_context": int, "dtype": str, "file_size": int,
+                 "kv_layout": str}
+
+
+def _bad(root: Path, what: str) -> BundleError:
+    return BundleError(f"{root / MANIFEST}: {what}; re-export the bundle with `specedge export`")
 
 
 def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
-    if not isinstance(entry, dict) or any(k not in entry for k in _MODEL_KEYS):
-        raise BundleError(f"{root / MANIFEST}: models.{role} lacks one of {_MODEL_KEYS}; "
-                          "re-export the bundle with `specedge export`")
+    if not isinstance(entry, dict):
+        raise _bad(root, f"models.{role} is not an object")
+    for key, kind in _MODEL_FIELDS.items():
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
+            expected = "a positive integer" if kind is int else "a string"
+            raise _bad(root, f"models.{role}.{key} must be {expected}, got {value!r}")
     if entry["kv_layout"] != KV_LAYOUT:
         raise BundleError(f"{root / MANIFEST}: models.{role} uses KV layout "
                           f"{entry['kv_layout']!r}; this runtime reads {KV_LAYOUT!r}")
@@ -110,7 +119,21 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
         raise BundleError(f"bundle file {path} is {path.stat().st_size} bytes, the manifest "
                           f"says {entry['file_size']}: it is truncated or was replaced; "
                           "re-export the bundle")
-    return ModelSpec(path=path, **{k: entry[k] for k in _MODEL_KEYS[1:-1]})
+    fields = {k: entry[k] for k in _MODEL_FIELDS if k not in ("file", "kv_layout")}
+    return ModelSpec(path=path, **fields)
+
+
+def _tokenizer_entry(root: Path, tok: Any) -> dict[str, Any]:
+    if not isinstance(tok, dict):
+        raise _bad(root, f"tokenizer must be an object, got {tok!r}")
+    for key in ("file", "chat_template", "bos_token", "eos_token"):
+        if tok.get(key) is not None and not isinstance(tok[key], str):
+            raise _bad(root, f"tokenizer.{key} must be a string, got {tok[key]!r}")
+    eos = tok.get("eos_token_ids", [])
+    if not isinstance(eos, list) or any(not isinstance(i, int) or isinstance(i, bool)
+                                        for i in eos):
+        raise _bad(root, f"tokenizer.eos_token_ids must be a list of integers, got {eos!r}")
+    return tok
 
 
 def load_bundle(root: str | Path) -> Bundle:
@@ -138,7 +161,7 @@ def load_bundle(root: str | Path) -> Bundle:
         raise BundleError(f"the draft's vocabulary ({draft.vocab_size} tokens) differs from the "
                           f"target's ({target.vocab_size}): re-export with a draft that shares "
                           "the target's tokenizer")
-    tok = manifest.get("tokenizer", {})
+    tok = _tokenizer_entry(root, manifest.get("tokenizer", {}))
     tokenizer_path = root / tok.get("file", "tokenizer.json")
     if not tokenizer_path.is_file():
         raise BundleError(f"bundle file missing: {tokenizer_path}; re-export the bundle")
@@ -148,8 +171,8 @@ def load_bundle(root: str | Path) -> Bundle:
         if not template_path.is_file():
             raise BundleError(f"bundle file missing: {template_path}; re-export the bundle")
         chat_template = template_path.read_text()
-    eos = tok.get("eos_token_ids") or []
     return Bundle(root=root, manifest=manifest, target=target, draft=draft,
                   tokenizer_path=tokenizer_path, chat_template=chat_template,
-                  eos_token_ids=tuple(int(i) for i in eos), bos_token=tok.get("bos_token"),
+                  eos_token_ids=tuple(tok.get("eos_token_ids", [])),
+                  bos_token=tok.get("bos_token"),
                   eos_token=tok.get("eos_token"))

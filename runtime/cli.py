@@ -76,3 +76,6 @@ def run_generate(args: argparse.Namespace) -> None:
                   f"speculative / plain = {ratio:.2f}x", file=sys.stderr)
     except (ValueError, SpecEdgeError) as e:
         _error(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)

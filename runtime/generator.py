@@ -20,7 +20,14 @@ from .backends import load_backend
 from .bundle import load_bundle
 from .drafters import ModelDrafter, PromptLookupDrafter
 from .kv_cache import KVCache, capacity_for
-from .params import Sampling, check_drafter, check_positive_int
+from .params import (
+    Sampling,
+    check_drafter,
+    check_positive_int,
+    check_seed,
+    check_stop,
+    check_token_ids,
+)
 from .speculative import verify_greedy, verify_sampled
 from .stats import StepClock, summarize
 from .text import TextCodec
@@ -73,7 +80,7 @@ class Generator:
                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = 0, draft_tokens: int = 4,
                use_draft: bool = True, drafter: str = "model",
-               stop: Sequence[str] = ()) -> Iterator[str]:
+               stop: str | Sequence[str] | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
 
         Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
@@ -89,16 +96,15 @@ class Generator:
                              f"exceeds the bundle's context of {self.max_context} tokens; "
                              "shorten the prompt or lower max_new_tokens")
         proposer = self._drafter(check_drafter(drafter)) if use_draft else None
-        stops = [s for s in stop if s]
-        if any(not isinstance(s, str) for s in stops):
-            raise ValueError(f"stop must be a list of strings, got {stop!r}")
+        stops = check_stop(stop)
+        rng = np.random.default_rng(check_seed(seed))
 
         clock = StepClock()
         tokens: list[int] = []
         reason = "max_new_tokens"
         text = ""
         chunks = self._decode(ids, max_new_tokens, sampling, draft_tokens if proposer else 0,
-                              proposer, np.random.default_rng(seed), clock)
+                              proposer, rng, clock)
         eos = set(self.bundle.eos_token_ids)
 
         def accepted() -> Iterator[list[int]]:
@@ -197,7 +203,9 @@ class Generator:
         if sum(given) != 1:
             raise ValueError("pass exactly one of prompt, prompt_ids or messages")
         if prompt is not None:
-            if not isinstance(prompt, str) or not prompt.strip():
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt.strip():
                 raise ValueError("prompt is empty: give some text to continue")
             if raw or not self.codec.has_chat_template:
                 ids = self.codec.encode(prompt)
@@ -208,11 +216,8 @@ class Generator:
                 raise ValueError("messages is empty: give at least one message")
             ids = self.codec.encode_chat(messages)
         else:
-            ids = [int(i) for i in prompt_ids]
+            ids = prompt_ids
+        ids = check_token_ids(ids, self.bundle.target.vocab_size)
         if not ids:
             raise ValueError("the prompt encodes to no tokens: give some text to continue")
-        vocab = self.bundle.target.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"prompt_ids must be in [0, {vocab}), got {bad[:5]}")
         return ids

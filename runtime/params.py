@@ -55,3 +55,34 @@ def check_drafter(drafter: str) -> str:
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
     return drafter
+
+
+def check_seed(seed: object) -> int | None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0 (or None for a random seed), "
+                         f"got {seed!r}")
+    return seed
+
+
+def check_stop(stop: object) -> list[str]:
+    """None, one string, or a list of strings; empty strings are ignored."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    return [s for s in stop if s]
+
+
+def check_token_ids(ids: object, vocab_size: int) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt_ids must be a list of integers, got {ids!r}")
+    ids = list(ids)
+    if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+        raise ValueError(f"prompt_ids must be a list of integers, got {ids[:8]!r}")
+    bad = [int(i) for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids must be in [0, {vocab_size}), got {bad[:5]}")
+    return [int(i) for i in ids]

@@ -33,7 +33,11 @@ class TextCodec:
         if bundle.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(bundle.chat_template)
+            try:
+                self._template = env.from_string(bundle.chat_template)
+            except TemplateError as e:
+                raise BundleError(f"the bundle's chat template does not parse ({e}); "
+                                  "re-export the bundle, or use raw prompts") from e
         self._special = {"bos_token": bundle.bos_token or "", "eos_token": bundle.eos_token or ""}
 
     @property
@@ -51,8 +55,11 @@ class TextCodec:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        text = self._template.render(messages=list(messages), add_generation_prompt=True,
-                                     **self._special)
+        try:
+            text = self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         **self._special)
+        except TemplateError as e:
+            raise ValueError(f"the chat template refused these messages: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:

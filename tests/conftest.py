@@ -13,9 +13,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from tiny_models import save_tiny  # noqa: E402
+
 from specedge.export.bundle import export_bundle  # noqa: E402
 from specedge.export.sources import cache_dir  # noqa: E402
-from tiny_models import save_tiny  # noqa: E402
 
 SMOLLM2_DRAFT_LAYERS = 4
 

@@ -14,10 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny
+
 from specedge.export.bundle import export_bundle
 from specedge.runtime import BundleError, Generator, SpecEdgeError
 from specedge.runtime.bundle import FORMAT_VERSION, MANIFEST
-from tiny_models import save_tiny
 
 PROMPT = "hello world"
 
@@ -88,7 +89,7 @@ BAD_SETTINGS = [
     (dict(prompt=PROMPT, prompt_ids=[1, 2]), r"exactly one of prompt, prompt_ids or messages"),
     (dict(prompt=PROMPT, messages=[{"role": "user", "content": "x"}]), r"exactly one of"),
     (dict(), r"exactly one of prompt, prompt_ids or messages"),
-    (dict(prompt=PROMPT, stop=[1]), r"stop must be a list of strings"),
+    (dict(prompt=PROMPT, stop=[1]), r"stop must be a string or a list of strings"),
 ]
 
 
@@ -118,34 +119,34 @@ def test_generator_still_works_after_bad_calls(gen):
 @pytest.mark.parametrize("prompt_ids", [["a", "b"], [None], [1.5, 2.0]],
                          ids=["strings", "none", "floats"])
 def test_prompt_ids_that_are_not_integers(gen, prompt_ids):
-    """BUG: `[int(i) for i in prompt_ids]` (runtime/generator.py `_prompt_ids`) gives
+    """Was: `[int(i) for i in prompt_ids]` (runtime/generator.py `_prompt_ids`) gives
     "invalid literal for int()" or a TypeError, and silently truncates 1.5 to 1."""
     with pytest.raises(ValueError, match="prompt_ids"):
         gen.generate(prompt_ids=prompt_ids, max_new_tokens=2)
 
 
 def test_prompt_ids_not_a_sequence(gen):
-    """BUG: an int for prompt_ids is a TypeError ('int' object is not iterable)."""
+    """Was: an int for prompt_ids is a TypeError ('int' object is not iterable)."""
     with pytest.raises(ValueError, match="prompt_ids"):
         gen.generate(prompt_ids=5, max_new_tokens=2)
 
 
 def test_prompt_that_is_not_a_string(gen):
-    """BUG (message): prompt=5 is reported as "prompt is empty"."""
+    """Was: prompt=5 is reported as "prompt is empty"."""
     with pytest.raises(ValueError, match=r"prompt must be a (str|string)"):
         gen.generate(prompt=5, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("seed", [-1, "x", 1.5])
 def test_bad_seed_names_the_seed(gen, seed):
-    """BUG: numpy's errors leak out: "expected non-negative integer" (no mention of seed)
+    """Was: numpy's errors leak out: "expected non-negative integer" (no mention of seed)
     for -1, a TypeError from SeedSequence for "x"."""
     with pytest.raises(ValueError, match="seed"):
         gen.generate(PROMPT, seed=seed, temperature=1.0, max_new_tokens=2)
 
 
 def test_stop_none_is_not_a_type_error(gen):
-    """BUG: stop=None raises TypeError ('NoneType' object is not iterable)."""
+    """Was: stop=None raises TypeError ('NoneType' object is not iterable)."""
     try:
         gen.generate(PROMPT, stop=None, max_new_tokens=4)
     except ValueError as e:
@@ -153,7 +154,7 @@ def test_stop_none_is_not_a_type_error(gen):
 
 
 def test_stop_given_as_a_bare_string(gen):
-    """BUG: stop="ab" is split into the stop strings "a" and "b"; it must either mean
+    """Was: stop="ab" is split into the stop strings "a" and "b"; it must either mean
     ["ab"] or be refused."""
     as_list = gen.generate(PROMPT, stop=["ab"], max_new_tokens=32).text
     try:
@@ -201,7 +202,7 @@ def test_unknown_backend(tiny_bundle, backend):
 
 
 def test_negative_threads(tiny_bundle):
-    """BUG: `threads` is not validated (runtime/backends.py OrtCpuBackend.__init__): -1 is
+    """Was: `threads` is not validated (runtime/backends.py OrtCpuBackend.__init__): -1 is
     accepted silently, and a huge value (10**6) makes ONNX Runtime try to start that many
     threads until the process is killed (not tested here for that reason)."""
     with pytest.raises(ValueError, match="threads"):
@@ -249,7 +250,8 @@ DAMAGE = {
         r": upgrade specedge"),
     "no-models": (lambda b: edit_manifest(b, lambda m: m.pop("models")), r"no target model"),
     "target-entry-incomplete": (lambda b: edit_manifest(
-        b, lambda m: m["models"]["target"].pop("file_size")), r"models\.target lacks one of"),
+        b, lambda m: m["models"]["target"].pop("file_size")),
+        r"models\.target\.file_size must be a positive integer"),
     "other-kv-layout": (lambda b: edit_manifest(
         b, lambda m: m["models"]["draft"].update(kv_layout="bshd-paged")),
         r"models\.draft uses KV layout 'bshd-paged'"),
@@ -311,7 +313,7 @@ MALFORMED_MANIFEST = {
 
 @pytest.mark.parametrize("case", list(MALFORMED_MANIFEST))
 def test_manifest_with_wrong_types_is_a_bundle_error(tiny_bundle, tmp_path, case):
-    """BUG: runtime/bundle.py `load_bundle` trusts the types inside a JSON manifest:
+    """Was: runtime/bundle.py `load_bundle` trusts the types inside a JSON manifest:
     tokenizer=null -> AttributeError, file=5 -> TypeError, eos_token_ids=["</s>"] -> "invalid
     literal for int()", vocab_size="34" -> "the draft's vocabulary (34 tokens) differs from the
     target's (34)"."""
@@ -332,7 +334,7 @@ GRAPH_MISMATCH = {  # field: (change, what the message must name)
 
 @pytest.mark.parametrize("field", list(GRAPH_MISMATCH))
 def test_manifest_that_disagrees_with_its_graph(tiny_bundle, tmp_path, field):
-    """BUG: runtime/backends.py OrtCpuBackend.__init__ checks only the input names, so a
+    """Was: runtime/backends.py OrtCpuBackend.__init__ checks only the input names, so a
     manifest whose dims disagree with the graph loads fine and the first generate dies in
     ONNX Runtime with a multi-line RuntimeError ("Got invalid dimensions for input ...")."""
     bundle = copy_bundle(tiny_bundle, tmp_path)
@@ -345,7 +347,7 @@ def test_manifest_that_disagrees_with_its_graph(tiny_bundle, tmp_path, field):
 @pytest.mark.parametrize("template", ["{% for %}", "{{ raise_exception('no system role') }}"],
                          ids=["syntax-error", "raise-exception"])
 def test_broken_chat_template(tiny_bundle, tmp_path, template):
-    """BUG: jinja2 errors escape runtime/text.py: TemplateSyntaxError from `from_string` in
+    """Was: jinja2 errors escape runtime/text.py: TemplateSyntaxError from `from_string` in
     TextCodec.__init__, TemplateError from `render` in encode_chat."""
     bundle = copy_bundle(tiny_bundle, tmp_path)
     (bundle / "chat_template.jinja").write_text(template)
@@ -383,11 +385,11 @@ def test_export_refuses_a_draft_with_another_vocabulary(tiny_checkpoints, foreig
 @pytest.mark.parametrize("kwargs, message", [
     (dict(draft_layers=2), r"--draft-layers must be in \[1, 1\] for this 2-layer target, got 2"),
     (dict(draft_layers=0), r"--draft-layers"),
-    (dict(max_context=0), r"--max-context must be >= 1, got 0"),
+    (dict(max_context=0), r"--max-context must be an integer >= 1, got 0"),
     (dict(draft="DRAFT", draft_layers=1), r"--draft or --draft-layers, not both"),
 ], ids=["draft-layers-too-many", "draft-layers-zero", "max-context-zero", "draft-and-layers"])
 def test_export_bad_arguments(tiny_checkpoints, tmp_path, kwargs, message):
-    """draft_layers=0 is BUG-adjacent: 0 is falsy, so it silently means "no draft"."""
+    """draft_layers=0 is a regression test: 0 is falsy, so it silently means "no draft"."""
     out = tmp_path / "out" / "bundle"
     out.parent.mkdir()
     if kwargs.get("draft") == "DRAFT":
@@ -408,7 +410,7 @@ def test_export_model_that_is_not_a_checkpoint(tmp_path, model):
 
 
 def test_export_over_a_folder_that_is_not_a_bundle(tiny_checkpoints, tmp_path):
-    """BUG (data loss): export/bundle.py `export_bundle` does `shutil.rmtree(out)` on any
+    """Was (data loss): export/bundle.py `export_bundle` does `shutil.rmtree(out)` on any
     existing `out`, so `--out ~/Documents` deletes the user's files. It must refuse a folder
     that exists, is not empty and holds no manifest.json."""
     out = tmp_path / "mine"

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 from scipy import stats
+
 from specedge.runtime.sampling import process_logits, sample
 from specedge.runtime.speculative import residual, verify_sampled
 

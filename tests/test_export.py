@@ -6,12 +6,13 @@ import json
 
 import numpy as np
 import pytest
+from tiny_models import ARCHITECTURES, save_tiny
+from transformers import AutoModelForCausalLM
+
 from specedge.export import bundle as export_bundle_module
 from specedge.export.bundle import export_bundle
 from specedge.export.verify import verify_graph
 from specedge.runtime.bundle import graph_io, load_bundle
-from tiny_models import ARCHITECTURES, save_tiny
-from transformers import AutoModelForCausalLM
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

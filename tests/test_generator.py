@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
+
 from specedge.runtime import Generator
 from specedge.runtime.drafters import PromptLookupDrafter
 from specedge.runtime.params import Sampling

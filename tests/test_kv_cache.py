@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from specedge.runtime.backends import OrtCpuBackend
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.kv_cache import CAPACITY_STEP, KVCache, capacity_for

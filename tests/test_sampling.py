@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from specedge.runtime.sampling import process_logits, sample
 from specedge.runtime.speculative import residual, verify_greedy, verify_sampled
 

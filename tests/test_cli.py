@@ -1,0 +1,354 @@
+"""`specedge generate` and `specedge export`: output formats, and bad input as one line.
+
+Bad input must end with exit status 2 and exactly one line on stderr, never a traceback or
+a usage dump. Most cases call `specedge.cli.main` in-process (fast); a few go through a
+real subprocess (`python -m specedge.cli` or the `specedge` console script) so that output
+written outside Python (ONNX Runtime, progress bars) is seen too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny
+
+from specedge.cli import main
+from specedge.runtime import Generator
+from specedge.runtime.bundle import FORMAT_VERSION, MANIFEST
+
+PROMPT = "hello world"
+STATS_KEYS = {"tokens_generated", "stop_reason", "drafter", "draft_tokens_k", "target_calls",
+              "draft_calls", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+              "acceptance_per_position", "tokens_per_target_call", "draft_cost_ratio_c",
+              "ideal_speedup", "decode_tokens_per_second"}
+
+
+def cli_command() -> list[str]:
+    """The installed console script when there is one, else `python -m specedge.cli`."""
+    script = shutil.which("specedge", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "specedge.cli"]
+
+
+def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*cli_command(), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def call_main(capsys, *args) -> tuple[int, str, str]:
+    """Run `specedge ARGS` in-process; (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *words: str) -> None:
+    assert "Traceback" not in err, err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert lines[0].startswith("specedge"), lines[0]
+    assert "error" in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+
+
+# ---- generate: output -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def api(tiny_bundle) -> Generator:
+    return Generator.from_bundle(tiny_bundle)
+
+
+def test_generate_json_through_a_subprocess(tiny_bundle, api):
+    proc = run_cli("generate", "--bundle", tiny_bundle, "--prompt", PROMPT, "--json",
+                   "--max-new-tokens", 12)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert STATS_KEYS <= set(out["stats"])
+    stats = out["stats"]
+    expected = api.generate(PROMPT, max_new_tokens=12)
+    assert out["token_ids"] == expected.token_ids
+    assert out["text"] == expected.text
+    assert stats["stop_reason"] == expected.stop_reason
+    assert stats["tokens_generated"] == len(out["token_ids"])
+    assert stats["drafter"] == "model"
+    assert stats["draft_tokens_k"] == 4
+    assert 0 <= stats["acceptance_rate"] <= 1
+    assert stats["tokens_per_target_call"] >= 1
+    assert stats["draft_calls"] > 0
+
+
+def test_generate_streams_text_then_a_summary(capsys, tiny_bundle, api):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--max-new-tokens", 10)
+    assert code == 0, err
+    result = api.generate(PROMPT, max_new_tokens=10)
+    assert out == result.text + "\n"
+    assert f"{len(result.token_ids)} tokens" in err
+    for word in ("tok/s", f"stop: {result.stop_reason}", "drafter model K=4", "acceptance",
+                 "tokens per target call", "c=", "ideal speedup"):
+        assert word in err, err
+    assert "Traceback" not in err
+
+
+def test_generate_no_draft(capsys, tiny_bundle):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 12, "--no-draft")
+    assert code == 0, err
+    plain = json.loads(out)
+    assert plain["stats"]["draft_calls"] == 0
+    assert plain["stats"]["drafted_tokens"] == 0
+    assert plain["stats"]["drafter"] == "none"
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 12)
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == plain["token_ids"]  # greedy: token for token
+
+
+def test_generate_raw_skips_the_chat_template(capsys, tiny_bundle, api):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 8, "--raw")
+    assert code == 0, err
+    raw = json.loads(out)
+    assert raw["token_ids"] == api.generate(PROMPT, max_new_tokens=8, raw=True).token_ids
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 8)
+    assert code == 0, err
+    templated = json.loads(out)
+    assert templated["token_ids"] == api.generate(PROMPT, max_new_tokens=8).token_ids
+    assert api.codec.has_chat_template
+
+
+def test_generate_compare_streaming(capsys, tiny_bundle):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--max-new-tokens", 8, "--compare")
+    assert code == 0, err
+    assert out.strip()
+    assert "plain decoding:" in err and "speculative / plain =" in err, err
+
+
+def test_generate_compare_json(capsys, tiny_bundle):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--max-new-tokens", 8, "--compare", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result) == {"text", "token_ids", "stats", "plain_stats"}
+    assert result["plain_stats"]["draft_calls"] == 0
+    assert result["stats"]["draft_calls"] > 0
+
+
+def test_generate_prompt_lookup(capsys, tiny_bundle, api):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 24, "--drafter", "prompt-lookup")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stats"]["drafter"] == "prompt-lookup"
+    assert result["token_ids"] == api.generate(PROMPT, max_new_tokens=24,
+                                               use_draft=False).token_ids
+
+
+def test_generate_self_draft_accepts_everything(capsys, tiny_self_draft_bundle):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_self_draft_bundle,
+                               "--prompt", PROMPT, "--json", "--max-new-tokens", 16)
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    assert stats["acceptance_rate"] == 1.0
+    assert stats["tokens_per_target_call"] > 1
+
+
+# ---- generate: bad input --------------------------------------------------------------------
+
+BAD_GENERATE = [
+    # (arguments after `generate --bundle B`, words the one error line must contain)
+    (["--prompt", ""], ["prompt is empty"]),
+    (["--prompt", "   "], ["prompt is empty"]),
+    (["--prompt", PROMPT, "--max-new-tokens", "0"], ["max_new_tokens", ">= 1", "got 0"]),
+    (["--prompt", PROMPT, "--max-new-tokens", "-3"], ["max_new_tokens", ">= 1", "got -3"]),
+    (["--prompt", PROMPT, "--max-new-tokens", "100000"],
+     ["max_new_tokens (100000)", "context of 512"]),
+    (["--prompt", "a" * 600, "--raw", "--max-new-tokens", "1"], ["prompt (600 tokens)"]),
+    (["--prompt", PROMPT, "--temperature", "-1"], ["temperature", ">= 0", "-1"]),
+    (["--prompt", PROMPT, "--temperature", "nan"], ["temperature", ">= 0"]),
+    (["--prompt", PROMPT, "--top-p", "0"], ["top_p", "(0, 1]", "0.0"]),
+    (["--prompt", PROMPT, "--top-p", "1.5"], ["top_p", "(0, 1]", "1.5"]),
+    (["--prompt", PROMPT, "--top-k", "-1"], ["top_k", ">= 0", "-1"]),
+    (["--prompt", PROMPT, "--draft-tokens", "0"], ["draft_tokens", ">= 1", "got 0"]),
+    (["--prompt", PROMPT, "--backend", "nope"], ["unknown backend 'nope'", "ort-cpu"]),
+    (["--prompt", PROMPT, "--drafter", "ngram"], ["--drafter", "invalid choice: 'ngram'"]),
+    (["--prompt", PROMPT, "--max-new-tokens", "x"], ["--max-new-tokens", "invalid int"]),
+    (["--prompt", PROMPT, "--temperature", "warm"], ["--temperature", "invalid float"]),
+    (["--prompt", PROMPT, "--no-such-option"], ["unrecognized arguments: --no-such-option"]),
+    ([], ["required", "--prompt"]),
+    # Regression, was: numpy's "expected non-negative integer" leaks out without naming the seed.
+    (["--prompt", PROMPT, "--seed", "-1"], ["seed"]),
+    # Regression, was: --threads is not validated (-1 is accepted; 1000000 exhausts memory).
+    (["--prompt", PROMPT, "--threads", "-1"], ["threads"]),
+]
+
+
+@pytest.mark.parametrize("args, words", BAD_GENERATE,
+                         ids=[" ".join(a[2:] or a[:1] or ["none"]) for a, _ in BAD_GENERATE])
+def test_generate_bad_input_is_one_line(capsys, tiny_bundle, args, words):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, *args)
+    assert_one_line_error(code, err, *words)
+    assert out == ""
+
+
+def test_generate_without_bundle_or_command(capsys):
+    code, _, err = call_main(capsys, "generate", "--prompt", PROMPT)
+    assert_one_line_error(code, err, "--bundle")
+    code, _, err = call_main(capsys)
+    assert_one_line_error(code, err, "command")
+    code, _, err = call_main(capsys, "frobnicate")
+    assert_one_line_error(code, err, "invalid choice: 'frobnicate'")
+
+
+def _edit_manifest(bundle: Path, change) -> None:
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    change(manifest)
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _garbage_target(bundle: Path) -> None:
+    path = bundle / "target.onnx"
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+def _truncate_target(bundle: Path) -> None:
+    path = bundle / "target.onnx"
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+BAD_BUNDLES = {
+    "missing-folder": (lambda b: shutil.rmtree(b), ["no manifest.json"]),
+    "missing-manifest": (lambda b: (b / MANIFEST).unlink(), ["no manifest.json"]),
+    "manifest-not-json": (lambda b: (b / MANIFEST).write_text("not json"), ["not valid JSON"]),
+    "newer-format": (lambda b: _edit_manifest(b, lambda m: m.update(format_version=99)),
+                     ["format_version 99", f"runtime's {FORMAT_VERSION}", "upgrade specedge"]),
+    "truncated-onnx": (_truncate_target, ["target.onnx is 1000 bytes", "truncated"]),
+    "garbage-onnx": (_garbage_target, ["target.onnx", "corrupt"]),
+    "missing-tokenizer": (lambda b: (b / "tokenizer.json").unlink(),
+                          ["bundle file missing", "tokenizer.json"]),
+    "draft-other-vocab": (lambda b: _edit_manifest(
+        b, lambda m: m["models"]["draft"].update(vocab_size=40)),
+        ["draft's vocabulary (40 tokens)", "target's (34)"]),
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD_BUNDLES))
+def test_generate_damaged_bundle_is_one_line(capsys, tiny_bundle, tmp_path, damage):
+    change, words = BAD_BUNDLES[damage]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, bundle)
+    change(bundle)
+    code, out, err = call_main(capsys, "generate", "--bundle", bundle, "--prompt", PROMPT)
+    assert_one_line_error(code, err, *words)
+    assert out == ""
+
+
+def test_generate_garbage_bundle_through_a_subprocess(tiny_bundle, tmp_path):
+    """Also nothing from ONNX Runtime's own logger on stderr."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, bundle)
+    _garbage_target(bundle)
+    proc = run_cli("generate", "--bundle", bundle, "--prompt", PROMPT)
+    assert_one_line_error(proc.returncode, proc.stderr, "corrupt")
+    assert proc.stdout == ""
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported(tiny_checkpoints, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`specedge export` of the tiny Llama checkpoint, without a draft."""
+    out = tmp_path_factory.mktemp("cli-export") / "bundle"
+    return out, run_cli("export", tiny_checkpoints["llama"], "--out", out)
+
+
+def test_export_writes_a_bundle(exported):
+    out, proc = exported
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout) == {"bundle": str(out), "models": {"target": "target.onnx"}}
+    assert {"manifest.json", "target.onnx", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    gen = Generator.from_bundle(out)
+    assert gen.bundle.draft is None
+    assert gen.generate(PROMPT, max_new_tokens=4, use_draft=False).token_ids
+
+
+def test_export_second_run_is_up_to_date(exported, tiny_checkpoints):
+    out, first = exported
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    proc = run_cli("export", tiny_checkpoints["llama"], "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "up to date" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout) == json.loads(first.stdout)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_generate_on_a_bundle_without_draft(capsys, exported):
+    out, first = exported
+    assert first.returncode == 0, first.stderr
+    code, stdout, err = call_main(capsys, "generate", "--bundle", out, "--prompt", PROMPT)
+    assert_one_line_error(code, err, "no draft model", "--drafter prompt-lookup", "--no-draft")
+    assert stdout == ""
+    for extra in (["--drafter", "prompt-lookup"], ["--no-draft"]):
+        code, stdout, err = call_main(capsys, "generate", "--bundle", out, "--prompt", PROMPT,
+                                      "--json", "--max-new-tokens", 6, *extra)
+        assert code == 0, err
+        assert len(json.loads(stdout)["token_ids"]) >= 1
+
+
+def test_export_nonexistent_model_is_one_line(tmp_path):
+    """Was: export/bundle.py starts its tqdm bar before loading the model and does not close
+    it on error, so stderr holds progress-bar lines with the error glued onto one of them."""
+    out = tmp_path / "bundle"
+    proc = run_cli("export", tmp_path / "no-such-model", "--out", out)
+    assert_one_line_error(proc.returncode, proc.stderr, "no-such-model",
+                          "is not a checkpoint folder")
+    assert proc.stdout == ""
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def other_ids_checkpoint(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("other-ids") / "ckpt", other_ids=True)
+
+
+@pytest.mark.parametrize("case", ["other-tokenizer-draft", "too-many-draft-layers",
+                                  "max-context-zero", "draft-and-draft-layers"])
+def test_export_bad_input_is_one_line(capsys, tiny_checkpoints, other_ids_checkpoint,
+                                      tmp_path, case):
+    """The first two fail with the same tqdm bug as the nonexistent model (plus transformers'
+    "Loading weights" bars): the error is raised after progress output has started."""
+    model = tiny_checkpoints["llama"]
+    args, words = {
+        "other-tokenizer-draft": (["--draft", other_ids_checkpoint],
+                                  ["tokenizer maps tokens to different ids"]),
+        "too-many-draft-layers": (["--draft-layers", "5"], ["--draft-layers", "got 5"]),
+        "max-context-zero": (["--max-context", "0"], ["--max-context", ">= 1", "got 0"]),
+        "draft-and-draft-layers": (["--draft", model, "--draft-layers", "1"],
+                                   ["not allowed with argument"]),
+    }[case]
+    out = tmp_path / "bundle"
+    code, stdout, err = call_main(capsys, "export", model, "--out", out, *args)
+    assert_one_line_error(code, err, *words)
+    assert stdout == ""
+    assert not out.exists()
