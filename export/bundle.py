@@ -24,6 +24,7 @@ from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
 
 from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
 from .graph import OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
+from .quantize import PERPLEXITY_TEXT, PRECISIONS, quantization_report, quantize_graph
 from .sources import load_model, resolve_checkpoint
 from .verify import verify_graph
 
@@ -49,14 +50,14 @@ def _io_spec(graph: onnx.GraphProto, dims: dict) -> tuple[list[dict], list[dict]
     return [entry(v) for v in graph.input], [entry(v) for v in graph.output]
 
 
-def _model_entry(model, path: Path, max_context: int | None) -> dict:
+def _model_entry(model, path: Path, max_context: int | None, precision: str) -> dict:
     dims = model_dims(model)
     graph = onnx.load(str(path), load_external_data=False).graph
     inputs, outputs = _io_spec(graph, dims)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
     return {"file": path.name, "architecture": model.config.model_type, **dims,
-            "dtype": "float32", "precision": "fp32", "kv_layout": KV_LAYOUT,
+            "dtype": "float32", "precision": precision, "kv_layout": KV_LAYOUT,
             "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
 
 
@@ -70,9 +71,9 @@ def _special_tokens(model, tokenizer) -> dict:
 
 
 def export_args(model: str, draft: str | None, draft_layers: int | None,
-                max_context: int | None) -> dict:
+                max_context: int | None, precision: str) -> dict:
     return {"model": model, "draft": draft, "draft_layers": draft_layers,
-            "max_context": max_context}
+            "max_context": max_context, "precision": precision}
 
 
 def is_current(out: Path, args: dict) -> bool:
@@ -85,10 +86,13 @@ def is_current(out: Path, args: dict) -> bool:
 
 
 def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | None,
-               max_context: int | None) -> tuple[Path, Path | None]:
+               max_context: int | None, precision: str) -> tuple[Path, Path | None]:
     """Every check that needs no weights, before any slow work: bad input fails at once."""
     from transformers import AutoConfig, AutoTokenizer
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {precision!r}")
     if draft is not None and draft_layers is not None:
         raise ValueError("pass --draft or --draft-layers, not both")
     if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
@@ -116,24 +120,28 @@ def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | Non
 
 def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
-                  verify: bool = False, force: bool = False) -> dict:
+                  precision: str = "fp32", verify: bool = False, force: bool = False) -> dict:
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless
-    `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers.
+    `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers
+    (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
+    quantizes both graphs and records the quantized target's agreement with fp32.
     """
     from transformers.utils import logging as hf_logging
 
     out = Path(out)
-    args = export_args(model, draft, draft_layers, max_context)
+    args = export_args(model, draft, draft_layers, max_context, precision)
     if not force and is_current(out, args):
         print(f"bundle {out} is up to date (use --force to re-export)", file=sys.stderr)
         return json.loads((out / MANIFEST).read_text())
-    target_path, draft_path = _preflight(out, model, draft, draft_layers, max_context)
+    target_path, draft_path = _preflight(out, model, draft, draft_layers, max_context,
+                                         precision)
     hf_logging.disable_progress_bar()  # one progress bar: ours
 
     steps = ["load models", "export target graph", "export draft graph"]
     steps += ["verify graphs"] if verify else []
+    steps += ["quantize"] if precision != "fp32" else []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     progress = tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr)
@@ -148,25 +156,40 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         progress.update()
 
         progress.set_postfix_str("export target graph")
-        export_onnx(target, str(tmp / "target.onnx"))
+        export_onnx(target, str(tmp / "target.onnx"), share_head=precision == "fp32")
         progress.update()
         progress.set_postfix_str("export draft graph")
         if draft_model is not None:
-            export_onnx(draft_model, str(tmp / "draft.onnx"))
+            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=precision == "fp32")
         progress.update()
 
-        models = {"target": _model_entry(target, tmp / "target.onnx", max_context)}
-        if draft_model is not None:
-            models["draft"] = _model_entry(draft_model, tmp / "draft.onnx", max_context)
         report = {}
+        prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
         if verify:
             progress.set_postfix_str("verify graphs")
-            prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
             for role, m in (("target", target), ("draft", draft_model)):
                 if m is not None:
                     report[role] = verify_graph(m, tmp / f"{role}.onnx", prompt)
             progress.update()
+        quantization = None
+        if precision != "fp32":
+            progress.set_postfix_str(f"quantize to {precision}")
+            fp32 = tmp / "target.fp32.onnx"
+            shutil.copyfile(tmp / "target.onnx", fp32)
+            quantize_graph(tmp / "target.onnx", precision)
+            if draft_model is not None:
+                quantize_graph(tmp / "draft.onnx", precision)
+            quantization = quantization_report(fp32, tmp / "target.onnx", model_dims(target),
+                                               prompt, tokenizer(PERPLEXITY_TEXT)["input_ids"])
+            fp32.unlink()
+            progress.update()
         progress.close()
+
+        models = {"target": _model_entry(target, tmp / "target.onnx", max_context,
+                                         precision)}
+        if draft_model is not None:
+            models["draft"] = _model_entry(draft_model, tmp / "draft.onnx", max_context,
+                                           precision)
 
         tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
         tok_entry = {"file": "tokenizer.json", **_special_tokens(target, tokenizer),
@@ -179,7 +202,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
             "created_by": f"specedge {__version__}",
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "backend": "onnx",
-            "precision": "fp32",
+            "precision": precision,
+            "quantization": quantization,
             "source": args,
             "models": models,
             "tokenizer": tok_entry,

@@ -15,6 +15,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         manifest = export_bundle(args.model, args.out, draft=args.draft,
                                  draft_layers=args.draft_layers, max_context=args.max_context,
+                                 precision=args.precision,
                                  verify=args.verify, force=args.force)
     except (ValueError, RuntimeError, OSError) as e:
         fail(str(e))
@@ -24,5 +25,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"verify {role}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
               f"(atol {report['atol']:g}), greedy {report['greedy_matches']}/"
               f"{report['greedy_steps']} tokens match", file=sys.stderr)
+    q = manifest.get("quantization")
+    if q:
+        print(f"{manifest['precision']} target vs fp32: greedy agreement "
+              f"{q['greedy_agreement']:.0%} over {q['greedy_steps']} steps, perplexity "
+              f"{q['perplexity_fp32']:.2f} -> {q['perplexity']:.2f} "
+              f"({q['perplexity_change']:+.1%})", file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
     print(json.dumps({"bundle": args.out, "models": models}))

@@ -27,7 +27,7 @@ from specedge.runtime.bundle import graph_io
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2",)
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY
-OPSET = 17
+OPSET = 21
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -181,8 +181,12 @@ def share_tied_head(path: str) -> bool:
     return changed
 
 
-def export_onnx(model: nn.Module, path: str) -> None:
-    """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O."""
+def export_onnx(model: nn.Module, path: str, share_head: bool = True) -> None:
+    """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
+
+    `share_head`: for tied embeddings, let the LM head read the embedding table (no second
+    copy). Quantized exports keep the copy, so that the head gets quantized as a MatMul.
+    """
     dims = model_dims(model)
     n, kv, d = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
     dtype = next(model.parameters()).dtype
@@ -200,5 +204,5 @@ def export_onnx(model: nn.Module, path: str) -> None:
         torch.onnx.export(wrap(model).eval(), args, path, input_names=inputs,
                           output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
                           dynamo=False)
-    if model.config.tie_word_embeddings:
+    if share_head and model.config.tie_word_embeddings:
         share_tied_head(path)

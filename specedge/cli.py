@@ -50,6 +50,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-layers", type=int, metavar="N",
                    help="draft = the target's first N layers with its norm and head")
     p.add_argument("--max-context", type=int, help="cap the context recorded in the bundle")
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
+                   help="weights of both graphs; int8/int4 are weight-only (MatMulNBits), "
+                   "fastest on CPU; the export reports the quantized target's change")
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
