@@ -22,6 +22,7 @@ from tqdm import tqdm
 from specedge import __version__
 from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
 
+from .distill import check_distilled_draft, is_distilled_draft, load_draft
 from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
 from .graph import OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
 from .quantize import PERPLEXITY_TEXT, PRECISIONS, quantization_report, quantize_graph
@@ -110,7 +111,10 @@ def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | Non
     if draft_layers is not None:
         check_draft_layers(target_config, draft_layers)
     draft_path = None
-    if draft is not None:
+    if draft is not None and is_distilled_draft(draft):
+        draft_path = Path(draft)
+        check_distilled_draft(draft_path, AutoTokenizer.from_pretrained(target_path))
+    elif draft is not None:
         draft_path = resolve_checkpoint(draft)
         check_same_vocabulary(target_config, AutoTokenizer.from_pretrained(target_path),
                               AutoConfig.from_pretrained(draft_path),
@@ -149,7 +153,9 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         progress.set_postfix_str("load models")
         target, tokenizer = load_model(target_path)
         draft_model = None
-        if draft_path is not None:
+        if draft_path is not None and is_distilled_draft(draft_path):
+            draft_model = load_draft(draft_path, target, tokenizer)
+        elif draft_path is not None:
             draft_model = load_model(draft_path)[0]
         elif draft_layers is not None:
             draft_model = truncated_draft(target, draft_layers)

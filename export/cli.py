@@ -9,6 +9,7 @@ import sys
 from specedge.cli import fail
 
 from .bundle import export_bundle
+from .distill import DistillConfig, distill
 
 
 def run(args: argparse.Namespace) -> None:
@@ -33,3 +34,21 @@ def run(args: argparse.Namespace) -> None:
               f"({q['perplexity_change']:+.1%})", file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
     print(json.dumps({"bundle": args.out, "models": models}))
+
+
+def run_distill(args: argparse.Namespace) -> None:
+    cfg = DistillConfig(target=args.target, layers=args.layers, head_tokens=args.head_tokens,
+                        prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
+                        seed=args.seed)
+    try:
+        meta = distill(args.out, cfg)
+    except (ValueError, RuntimeError, OSError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; run the same command again to resume from {args.out}/work")
+    report = meta["report"]
+    print(f"draft: {meta['num_layers']} layers, {len(meta['head_token_ids'])} head tokens, "
+          f"trained on {meta['answer_tokens']} target tokens in {meta['seconds']} s; "
+          f"held-out top-1 agreement with the target {report['val_top1_agreement']:.2f}",
+          file=sys.stderr)
+    print(json.dumps({"draft": args.out, "report": report}))

@@ -59,9 +59,15 @@ def _last_positions(hidden: torch.Tensor, logits_to_keep: torch.Tensor) -> torch
     return hidden[:, start:]
 
 
-def _lm_head(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+def _lm_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     flat = hidden.reshape(-1, hidden.shape[-1])  # 2-D, so that `share_tied_head` applies
-    return head(flat).unsqueeze(0)
+    head_ids = getattr(model, "specedge_head_ids", None)
+    if head_ids is None:
+        return model.lm_head(flat).unsqueeze(0)
+    # A distilled draft scores only its head tokens; the others get logit -inf, q = 0.
+    small = torch.nn.functional.linear(flat, model.lm_head.weight[head_ids])
+    full = torch.full((flat.shape[0], model.config.vocab_size), float("-inf"))
+    return full.scatter(1, head_ids.expand(flat.shape[0], -1), small).unsqueeze(0)
 
 
 class LlamaFamilyDecoder(nn.Module):
@@ -92,7 +98,7 @@ class LlamaFamilyDecoder(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             presents += [k, v]
         x = base.norm(_last_positions(x, logits_to_keep))
-        return (_lm_head(self.model.lm_head, x), *presents)
+        return (_lm_head(self.model, x), *presents)
 
 
 class GPT2Decoder(nn.Module):
@@ -120,7 +126,7 @@ class GPT2Decoder(nn.Module):
             x = x + block.mlp(block.ln_2(x))
             presents += [k, v]
         x = base.ln_f(_last_positions(x, logits_to_keep))
-        return (_lm_head(self.model.lm_head, x), *presents)
+        return (_lm_head(self.model, x), *presents)
 
 
 def model_dims(model: nn.Module) -> dict[str, int]:

@@ -30,14 +30,17 @@ def main(argv: list[str] | None = None) -> None:
     export_parser = sub.add_parser("export", help="Hugging Face model -> bundle (needs the "
                                    "export extra: pip install 'specedge[export]')")
     add_export_arguments(export_parser)
+    distill_parser = sub.add_parser("distill", help="train a small draft for a target on "
+                                    "text the target generates (needs the export extra)")
+    add_distill_arguments(distill_parser)
     args = parser.parse_args(argv)
-    if args.command == "export":
+    if args.command in ("export", "distill"):
         try:
             from specedge.export import cli as export_cli
         except ImportError as e:
-            fail(f"`specedge export` needs the export extra ({e}): "
+            fail(f"`specedge {args.command}` needs the export extra ({e}): "
                  "pip install 'specedge[export]'")
-        export_cli.run(args)
+        (export_cli.run if args.command == "export" else export_cli.run_distill)(args)
     else:
         runtime_cli.run_generate(args)
 
@@ -56,6 +59,19 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
+
+
+def add_distill_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m",
+                   help="checkpoint folder, .gguf file, or alias (default smollm2-135m)")
+    p.add_argument("--out", required=True, help="draft folder (resumes a run found there)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--head-tokens", type=int, default=8192,
+                   help="output head size: the most frequent tokens (default 8192)")
+    p.add_argument("--prompts", type=int, default=480, help="training prompts (default 480)")
+    p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
 
 
 if __name__ == "__main__":

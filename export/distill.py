@@ -1,0 +1,341 @@
+"""`specedge distill`: train a small draft on text the target itself generates.
+
+On-policy distillation: the target answers a few hundred prompts (greedy for most, sampled
+at temperature 0.7 for some, so the draft also sees the target's less likely paths) and its
+top-32 next-token log-probabilities are kept at every answer position. The draft learns to
+match them (cross-entropy against the target's renormalised top-32), which is what makes
+its proposals pass the acceptance test: greedy acceptance needs argmax q == argmax p, and
+sampled acceptance is sum_x min(p(x), q(x)) = 1 - TV(p, q).
+
+The draft is cheap by construction:
+* the target's embedding table, frozen, reused as input embedding (not stored);
+* a few decoder layers of the target's width, initialised from evenly spaced target layers;
+* an output head over the `head_tokens` most frequent answer tokens only (rows of the
+  embedding table); other tokens get q = 0, which the exact acceptance rule handles.
+
+A draft folder holds `specedge_draft.json` (shape, head token ids, provenance) and
+`weights.safetensors` (fp16, decoder layers and final norm only). `specedge export
+--draft DIR` rebuilds it on the target's embeddings. Data, checkpoints and the training
+state live in DIR/work, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from .draft import num_layers
+
+DRAFT_META = "specedge_draft.json"
+DRAFT_WEIGHTS = "weights.safetensors"
+
+TOPICS = [
+    "volcanoes", "the French Revolution", "photosynthesis", "black holes", "bees",
+    "the stock market", "machine learning", "the Roman Empire", "climate change", "coffee",
+    "the human heart", "electric cars", "the internet", "chess", "vaccines", "the moon",
+    "jazz music", "rainforests", "earthquakes", "the printing press", "sleep", "bread baking",
+    "the Olympic Games", "solar panels", "dinosaurs", "the immune system", "Shakespeare",
+    "recycling", "the water cycle", "ancient Egypt", "honeybees", "gravity", "antibiotics",
+    "the Great Wall of China", "cloud computing", "meditation", "the Amazon river", "glaciers",
+    "the periodic table", "democracy", "octopuses", "renewable energy", "the Renaissance",
+    "public speaking", "time management", "healthy eating", "learning a language", "DNA",
+    "airplanes", "the ocean tides", "money", "friendship", "gardening", "mountains",
+    "the camera", "volunteering", "traffic lights", "the violin", "deserts", "penguins",
+]
+TASKS = [
+    "Explain {t} to a ten-year-old.",
+    "Write three interesting facts about {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a short poem about {t}.",
+    "Give me a brief history of {t}.",
+    "Summarize what everyone should know about {t} in one paragraph.",
+    "Write a Python function related to {t}, with a docstring and comments.",
+    "Answer briefly: why does {t} matter?",
+    "Write a short story that involves {t}.",
+    "List five questions a student might ask about {t}, with short answers.",
+]
+
+
+@dataclass
+class DistillConfig:
+    target: str = "smollm2-135m"
+    layers: int = 2
+    head_tokens: int = 8192
+    prompts: int = 480
+    new_tokens: int = 128
+    sampled_fraction: float = 0.25
+    generate_batch: int = 32
+    epochs: int = 4
+    batch: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    top_k: int = 32
+
+
+def training_prompts(n: int, seed: int) -> list[str]:
+    """`n` distinct prompts from topic x task templates, shuffled with `seed`."""
+    pool = [task.format(t=topic) for topic in TOPICS for task in TASKS]
+    random.Random(seed).shuffle(pool)
+    if n > len(pool):
+        raise ValueError(f"--prompts can be at most {len(pool)}, got {n}")
+    return pool[:n]
+
+
+def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
+                    sampled: bool, seed: int) -> list[dict]:
+    """Target answers for `prompts` plus its top-k log-probs at every answer position."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                           add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=cfg.new_tokens, do_sample=sampled,
+                             temperature=0.7 if sampled else None, top_k=0, top_p=1.0,
+                             return_dict_in_generate=True, output_logits=True,
+                             pad_token_id=tokenizer.pad_token_id or 0)
+    logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
+    top = torch.log_softmax(logits, dim=-1).topk(cfg.top_k, dim=-1)
+    eos = set(model.generation_config.eos_token_id
+              if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    prompt_width = enc["input_ids"].shape[1]
+    shard = []
+    for b in range(len(prompts)):
+        prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()].tolist()
+        answer = out.sequences[b, prompt_width:].tolist()
+        n = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+        shard.append({"ids": torch.tensor(prompt + answer[:n], dtype=torch.int32),
+                      "start": len(prompt) - 1,  # the position that predicts answer[0]
+                      "top_ids": top.indices[b, :n].to(torch.int32),
+                      "top_logp": top.values[b, :n].to(torch.float16)})
+    return shard
+
+
+def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict]:
+    """Generate (or reload) the on-policy data, one resumable shard per batch."""
+    prompts = training_prompts(cfg.prompts, cfg.seed)
+    n_sampled = int(round(cfg.sampled_fraction * len(prompts)))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = []
+    batches = range(0, len(prompts), cfg.generate_batch)
+    for i, start in enumerate(tqdm(batches, desc="target answers", unit="batch",
+                                   file=sys.stderr)):
+        path = work / f"data-{i:04d}.pt"
+        if not path.is_file():
+            chunk = prompts[start:start + cfg.generate_batch]
+            shard = _generate_shard(model, tokenizer, chunk, cfg, start >= len(prompts) -
+                                    n_sampled, cfg.seed + i)
+            torch.save(shard, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+        data += torch.load(path)
+    return data
+
+
+def head_token_ids(data: list[dict], count: int, vocab_size: int) -> torch.Tensor:
+    """The `count` tokens that the target most often ranks first, plus its answers."""
+    freq = torch.zeros(vocab_size, dtype=torch.float64)
+    for ex in data:
+        freq.index_add_(0, ex["top_ids"][:, 0].long(), torch.ones(len(ex["top_ids"]),
+                                                                 dtype=torch.float64))
+        answer = ex["ids"][ex["start"] + 1:].long()
+        freq.index_add_(0, answer, torch.full((len(answer),), 0.5, dtype=torch.float64))
+    count = min(count, vocab_size)
+    return torch.sort(torch.topk(freq, count).indices).values
+
+
+def make_draft(target, layers: int):
+    """A `layers`-layer model of the target's width, initialised from target layers."""
+    from transformers import AutoModelForCausalLM
+
+    total = num_layers(target.config)
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    config.tie_word_embeddings = True
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    picks = [round(i * (total - 1) / max(1, layers - 1)) for i in range(layers)]
+    for mine, theirs in zip(draft.model.layers, picks):
+        mine.load_state_dict(target.model.layers[theirs].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    # The target's embedding table, shared and frozen; the tied head reads the same rows.
+    draft.model.embed_tokens.weight = target.model.embed_tokens.weight
+    draft.lm_head.weight = draft.model.embed_tokens.weight
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def attach_head(draft, head_ids: torch.Tensor) -> None:
+    """Mark the draft's output head as covering only `head_ids` (see export/graph.py)."""
+    draft.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
+
+
+def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the draft's head distribution against the target's top-k."""
+    width = max(len(ex["ids"]) for ex in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, ex in enumerate(batch):
+        ids[b, :len(ex["ids"])] = ex["ids"].long()
+        mask[b, :len(ex["ids"])] = 1
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    to_head = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+    to_head[head_ids] = torch.arange(len(head_ids))
+    head_w = draft.model.embed_tokens.weight[head_ids]
+    total, agree, count = 0.0, 0, 0
+    for b, ex in enumerate(batch):
+        n = len(ex["top_ids"])
+        h = hidden[b, ex["start"]:ex["start"] + n]
+        logq = torch.log_softmax(h @ head_w.T, dim=-1)
+        cols = to_head[ex["top_ids"].long()]
+        p = torch.where(cols >= 0, ex["top_logp"].float().exp(), torch.zeros(()))
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        total = total - (p * logq.gather(1, cols.clamp_min(0))).sum()
+        agree += int((logq.argmax(-1) == cols[:, 0]).sum())
+        count += n
+    return total / count, agree / count
+
+
+def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
+          work: Path) -> dict:
+    """AdamW with cosine decay; checkpoints every 50 steps and resumes from the last."""
+    rng = random.Random(cfg.seed)
+    val = [data[i] for i in range(0, len(data), 20)]
+    train_set = [ex for i, ex in enumerate(data) if i % 20]
+    steps_per_epoch = math.ceil(len(train_set) / cfg.batch)
+    total_steps = steps_per_epoch * cfg.epochs
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / total_steps)))
+    state_path, step = work / "train.pt", 0
+    if state_path.is_file():
+        state = torch.load(state_path)
+        draft.load_state_dict(state["draft"], strict=False)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step = state["step"]
+    orders = []
+    for _ in range(cfg.epochs):
+        order = list(range(len(train_set)))
+        rng.shuffle(order)
+        orders += [order[i:i + cfg.batch] for i in range(0, len(order), cfg.batch)]
+    bar = tqdm(total=total_steps, initial=step, desc="train draft", unit="step",
+               file=sys.stderr)
+    draft.train()
+    while step < total_steps:
+        loss, agree = _loss(draft, head_ids, [train_set[i] for i in orders[step]])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree:.2f}")
+        if step % 50 == 0 or step == total_steps:
+            trainable = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k
+                         and "lm_head" not in k}
+            torch.save({"draft": trainable, "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step}, state_path.with_suffix(".tmp"))
+            state_path.with_suffix(".tmp").rename(state_path)
+    bar.close()
+    draft.eval()
+    with torch.no_grad():
+        losses = [_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
+                  range(0, len(val), cfg.batch)]
+    return {"val_loss": sum(x[0].item() for x in losses) / len(losses),
+            "val_top1_agreement": sum(x[1] for x in losses) / len(losses),
+            "train_sequences": len(train_set), "val_sequences": len(val), "steps": total_steps}
+
+
+def save_draft(draft, head_ids: torch.Tensor, out: Path, meta: dict) -> dict:
+    weights = {k: v.to(torch.float16).contiguous() for k, v in draft.state_dict().items()
+               if "embed_tokens" not in k and "lm_head" not in k}
+    save_file(weights, str(out / DRAFT_WEIGHTS))
+    (out / DRAFT_WEIGHTS).chmod(0o644)
+    meta = {**meta, "num_layers": draft.config.num_hidden_layers,
+            "head_token_ids": head_ids.tolist()}
+    (out / DRAFT_META).write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """Identifies what token ids mean: a hash of the token -> id map."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()
+
+
+def is_distilled_draft(path: str | Path) -> bool:
+    return (Path(path) / DRAFT_META).is_file()
+
+
+def check_distilled_draft(path: Path, target_tokenizer) -> dict:
+    """The draft's metadata, or ValueError if it was made for another tokenizer."""
+    try:
+        meta = json.loads((path / DRAFT_META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path / DRAFT_META} ({e}); re-run specedge distill") \
+            from e
+    if meta.get("tokenizer_sha256") != tokenizer_digest(target_tokenizer):
+        raise ValueError(f"the draft in {path} was distilled for another tokenizer "
+                         f"(target {meta.get('target')!r}): speculative decoding needs a "
+                         "draft with the target's tokenizer")
+    if not (path / DRAFT_WEIGHTS).is_file():
+        raise ValueError(f"{path / DRAFT_WEIGHTS} is missing; re-run specedge distill")
+    return meta
+
+
+def load_draft(path: Path, target, target_tokenizer):
+    """Rebuild a distilled draft folder on the target's embeddings."""
+    meta = check_distilled_draft(path, target_tokenizer)
+    draft = make_draft(target, meta["num_layers"])
+    state = {k: v.float() for k, v in load_file(str(path / DRAFT_WEIGHTS)).items()}
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected or any("embed_tokens" not in k and "lm_head" not in k for k in missing):
+        raise ValueError(f"{path / DRAFT_WEIGHTS} does not match its {DRAFT_META}; "
+                         "re-run specedge distill")
+    attach_head(draft, torch.tensor(meta["head_token_ids"]))
+    return draft.eval()
+
+
+def distill(out: str | Path, cfg: DistillConfig) -> dict:
+    """Run (or resume) the whole distillation; returns the draft's metadata."""
+    from .sources import load_model
+
+    if cfg.layers < 1 or cfg.head_tokens < 1 or cfg.prompts < 1 or cfg.epochs < 1:
+        raise ValueError("--layers, --head-tokens, --prompts and --epochs must be >= 1")
+    out = Path(out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    config_path = work / "config.json"
+    if config_path.is_file() and json.loads(config_path.read_text()) != asdict(cfg):
+        raise ValueError(f"{work} holds a run with other settings; use another --out or "
+                         "delete it")
+    config_path.write_text(json.dumps(asdict(cfg), indent=1))
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_model(cfg.target)
+    if target.config.model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
+    t0 = time.time()
+    data = build_dataset(target, tokenizer, cfg, work)
+    head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)
+    draft = make_draft(target, cfg.layers)
+    report = train(draft, head_ids, data, cfg, work)
+    meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
+            "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),
+            "answer_tokens": sum(len(ex["top_ids"]) for ex in data)}
+    return save_draft(draft, head_ids, out, meta)

@@ -1,0 +1,139 @@
+"""`specedge distill` on a tiny target: the draft folder, resuming, export with a head over
+only some tokens (q = 0 elsewhere), and exactness against the target."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from scipy.stats import chi2_contingency
+from tiny_models import save_tiny
+
+from specedge.export.bundle import export_bundle
+from specedge.export.distill import DRAFT_META, DRAFT_WEIGHTS, DistillConfig, distill
+from specedge.runtime import Generator
+
+HEAD = 16
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "draft"
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), layers=1, head_tokens=HEAD,
+                        prompts=48, new_tokens=24, generate_batch=16, epochs=3, batch=8)
+    meta = distill(out, cfg)
+    return out, cfg, meta
+
+
+@pytest.fixture(scope="module")
+def distilled_bundle(distilled, tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "bundle"
+    manifest = export_bundle(str(tiny_checkpoints["llama"]), out, draft=str(distilled[0]),
+                             verify=True)
+    return out, manifest
+
+
+def test_draft_folder_holds_only_what_is_new(distilled):
+    out, cfg, meta = distilled
+    weights = load_file(str(out / DRAFT_WEIGHTS))
+    assert not any("embed_tokens" in k or "lm_head" in k for k in weights)
+    assert all(w.dtype == np.float16 for w in weights.values())
+    assert {k.split(".")[2] for k in weights if k.startswith("model.layers.")} == {"0"}
+    saved = json.loads((out / DRAFT_META).read_text())
+    assert saved["num_layers"] == 1 and len(saved["head_token_ids"]) == HEAD
+    assert saved["head_token_ids"] == sorted(set(saved["head_token_ids"]))
+    assert saved["config"]["seed"] == 0 and saved["answer_tokens"] > 0
+    assert 0 <= meta["report"]["val_top1_agreement"] <= 1
+
+
+def test_training_improves_on_the_untrained_draft(distilled):
+    """The loss after training is below the loss of the freshly initialised draft."""
+    import torch
+
+    from specedge.export.distill import _loss, attach_head, head_token_ids, make_draft
+    from specedge.export.sources import load_model
+
+    out, cfg, meta = distilled
+    data = []
+    for shard in sorted((out / "work").glob("data-*.pt")):
+        data += torch.load(shard)
+    target, _ = load_model(cfg.target)
+    fresh = make_draft(target, cfg.layers)
+    head = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)
+    attach_head(fresh, head)
+    with torch.no_grad():
+        before = _loss(fresh, head, data[::20])[0].item()
+    assert meta["report"]["val_loss"] < before
+
+
+def test_rerun_resumes_instead_of_redoing(distilled):
+    out, cfg, _ = distilled
+    shards = {p: p.stat().st_mtime_ns for p in (out / "work").glob("data-*.pt")}
+    state = (out / "work" / "train.pt").stat().st_mtime_ns
+    distill(out, cfg)
+    assert {p: p.stat().st_mtime_ns for p in shards} == shards
+    assert (out / "work" / "train.pt").stat().st_mtime_ns == state
+
+
+def test_rerun_with_other_settings_is_refused(distilled):
+    out, cfg, _ = distilled
+    with pytest.raises(ValueError, match="other settings"):
+        distill(out, DistillConfig(**{**cfg.__dict__, "layers": 2}))
+
+
+def test_export_verifies_the_head_restricted_draft(distilled_bundle):
+    _, manifest = distilled_bundle
+    report = manifest["verify"]["draft"]
+    assert report["ok"] and report["greedy_matches"] == 32
+
+
+def test_draft_gives_zero_probability_outside_its_head(distilled, distilled_bundle):
+    from specedge.runtime.backends import OrtCpuBackend
+    from specedge.runtime.bundle import load_bundle
+
+    out, _ = distilled_bundle
+    backend = OrtCpuBackend(load_bundle(out).draft)
+    logits = backend.forward(backend.new_cache(8), [1, 5, 6], 3)
+    head = json.loads((distilled[0] / DRAFT_META).read_text())["head_token_ids"]
+    outside = np.setdiff1d(np.arange(logits.shape[1]), head)
+    assert np.isneginf(logits[:, outside]).all()
+    assert np.isfinite(logits[:, head]).all()
+
+
+def test_greedy_speculative_equals_plain(distilled_bundle):
+    gen = Generator.from_bundle(distilled_bundle[0])
+    for prompt in ("hello world", "the cat sat", "why?"):
+        plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=4)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_sampling_with_a_partial_head_is_exact(distilled_bundle):
+    """Two-sample chi-square (N = 1500 per arm, alpha = 0.001, seeds 0.. and 10000..) on
+    the joint of the first two tokens: the draft gives q = 0 to tokens outside its head,
+    so the residual must supply them."""
+    gen = Generator.from_bundle(distilled_bundle[0])
+
+    def pairs(seed0: int, **kw) -> Counter:
+        return Counter(tuple(gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=2,
+                                          seed=seed0 + i, temperature=1.0,
+                                          **kw).token_ids[:2]) for i in range(1500))
+
+    plain, spec = pairs(0, use_draft=False), pairs(10_000, draft_tokens=2)
+    cells = sorted(set(plain) | set(spec))
+    common = [c for c in cells if plain[c] + spec[c] >= 10]
+    rare = [c for c in cells if plain[c] + spec[c] < 10]
+    table = np.array([[plain[c] for c in common] + [sum(plain[c] for c in rare)],
+                      [spec[c] for c in common] + [sum(spec[c] for c in rare)]])
+    table = table[:, table.sum(axis=0) > 0]
+    assert chi2_contingency(table)[1] > 0.001
+
+
+def test_draft_for_another_tokenizer_is_refused(distilled, tmp_path):
+    other = save_tiny(tmp_path / "other", "llama", other_ids=True)
+    with pytest.raises(ValueError, match="distilled for another tokenizer"):
+        export_bundle(str(other), tmp_path / "b", draft=str(distilled[0]))
+    assert not (tmp_path / "b").exists()
