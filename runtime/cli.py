@@ -20,7 +20,11 @@ def add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-tokens", type=int, default=4, help="K, tokens drafted per step")
+    p.add_argument("--draft-tokens", type=_k, default=4,
+                   help="K, tokens drafted per step, or 'auto' (default 4)")
+    p.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="stop drafting when the draft's probability for its token is below "
+                   "this (0 = off)")
     p.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
     p.add_argument("--backend", default="ort-cpu")
@@ -29,6 +33,16 @@ def add_generate(sub) -> None:
                    help="also run plain decoding on the same prompt and print the speedup")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
+
+
+def _k(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") \
+            from None
 
 
 def _error(message: str) -> None:
@@ -40,7 +54,8 @@ def _summary(stats: dict) -> str:
     per_pos = " ".join(f"{a:.2f}" for a in stats["acceptance_per_position"])
     return (f"{stats['tokens_generated']} tokens, {stats['decode_tokens_per_second']:.1f} tok/s "
             f"decode, stop: {stats['stop_reason']}\n"
-            f"drafter {stats['drafter']} K={stats['draft_tokens_k']}: acceptance "
+            f"drafter {stats['drafter']} K={stats['draft_tokens_k']} "
+            f"(mean {stats['mean_draft_tokens']:.1f}): acceptance "
             f"{stats['acceptance_rate']:.2f} (per position {per_pos or '-'}), "
             f"{stats['tokens_per_target_call']:.2f} tokens per target call, "
             f"c={stats['draft_cost_ratio_c']:.3f}, ideal speedup {stats['ideal_speedup']:.2f}x")
@@ -52,6 +67,7 @@ def run_generate(args: argparse.Namespace) -> None:
     kwargs = dict(raw=args.raw, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
+                  draft_threshold=args.draft_threshold,
                   drafter=args.drafter)
     try:
         gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)

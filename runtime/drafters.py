@@ -17,13 +17,20 @@ from .sampling import sample
 
 
 class ModelDrafter:
-    """A small draft model with its own KV cache, run one token at a time."""
+    """A small draft model with its own KV cache, run one token at a time.
+
+    `threshold` > 0 stops drafting at the first token whose draft probability q(x) is below
+    it: a token the draft itself doubts is likely to be rejected, and every draft token
+    after a rejection is wasted work.
+    """
 
     name = "model"
 
     def __init__(self, backend: OrtCpuBackend):
         self.backend = backend
         self.cache: KVCache | None = None
+        self.threshold = 0.0
+        self.calls = 0  # forward calls, for the cost ratio c
 
     def reset(self, capacity: int) -> None:
         if self.cache is None or self.cache.capacity != capacity:
@@ -38,11 +45,17 @@ class ModelDrafter:
         ids, qs = [], []
         for _ in range(k):
             logits = self.backend.forward(self.cache, feed, 1)[-1]
+            self.calls += 1
             if sampling.greedy:
                 x = int(np.argmax(logits))
+                if self.threshold and 1.0 / np.exp(logits - logits[x]).sum() < self.threshold:
+                    break  # q(x) = 1 / sum_j exp(l_j - l_x) for the argmax x
             else:
-                qs.append(sampling.probs(logits))
-                x = sample(qs[-1], rng)
+                q = sampling.probs(logits)
+                x = sample(q, rng)
+                if self.threshold and q[x] < self.threshold:
+                    break
+                qs.append(q)
             ids.append(x)
             feed = [x]
         return ids, (np.stack(qs) if qs else None)
@@ -59,12 +72,15 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
+        self.threshold = 0.0  # q is one-hot: nothing to threshold
+        self.calls = 0
 
     def reset(self, capacity: int) -> None:
         pass
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator) -> tuple[list[int], None]:
+        self.calls += 1
         tokens = np.asarray(context)
         for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
             # Windows over tokens[:-1] start at most len-1-n, so every match is followed by

@@ -18,14 +18,17 @@ import numpy as np
 
 from .backends import load_backend
 from .bundle import load_bundle
+from .draft_length import auto_k
 from .drafters import ModelDrafter, PromptLookupDrafter
 from .kv_cache import KVCache, capacity_for
 from .params import (
     Sampling,
+    check_draft_tokens,
     check_drafter,
     check_positive_int,
     check_seed,
     check_stop,
+    check_threshold,
     check_token_ids,
 )
 from .speculative import verify_greedy, verify_sampled
@@ -78,18 +81,21 @@ class Generator:
     def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = 0, draft_tokens: int = 4,
-               use_draft: bool = True, drafter: str = "model",
+               top_p: float = 1.0, seed: int | None = 0, draft_tokens: int | str = 4,
+               use_draft: bool = True, drafter: str = "model", draft_threshold: float = 0.0,
                stop: str | Sequence[str] | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
 
         Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
-        `prompt_ids` or `messages`. `temperature=0` is greedy; `draft_tokens` is K;
-        `use_draft=False` is plain target-only decoding in the same loop.
+        `prompt_ids` or `messages`. `temperature=0` is greedy; `draft_tokens` is K, or
+        "auto" to pick K as generation runs; `draft_threshold` stops drafting early when
+        the draft's probability for its own token falls below it; `use_draft=False` is
+        plain target-only decoding in the same loop.
         """
         ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-        draft_tokens = check_positive_int("draft_tokens", draft_tokens)
+        k_max, auto = check_draft_tokens(draft_tokens)
+        threshold = check_threshold(draft_threshold)
         sampling = Sampling(temperature, top_k, top_p)
         if len(ids) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
@@ -103,7 +109,9 @@ class Generator:
         tokens: list[int] = []
         reason = "max_new_tokens"
         text = ""
-        chunks = self._decode(ids, max_new_tokens, sampling, draft_tokens if proposer else 0,
+        if proposer:
+            proposer.threshold = threshold
+        chunks = self._decode(ids, max_new_tokens, sampling, k_max if proposer else 0, auto,
                               proposer, rng, clock)
         eos = set(self.bundle.eos_token_ids)
 
@@ -139,14 +147,15 @@ class Generator:
             yield text[emitted:]
         chunks.close()
         clock.finish()
-        stats = summarize(clock, len(tokens), draft_tokens if proposer else 0,
+        stats = summarize(clock, len(tokens), ("auto" if auto else k_max) if proposer else 0,
                           proposer.name if proposer else "none", self.target.name, reason)
         self.last_result = GenerationResult(text, tokens, stats, reason)
 
     # ---- the loop -------------------------------------------------------------------------
 
     def _decode(self, prompt: list[int], max_new: int, sampling: Sampling, k_max: int,
-                drafter, rng: np.random.Generator, clock: StepClock) -> Iterator[list[int]]:
+                auto: bool, drafter, rng: np.random.Generator,
+                clock: StepClock) -> Iterator[list[int]]:
         capacity = capacity_for(len(prompt) + max_new, self.max_context)
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
@@ -164,12 +173,13 @@ class Generator:
         generated = 1
         while generated < max_new:
             # Never draft past max_new_tokens: the last slot is the target's own token.
-            k = min(k_max, max_new - generated - 1)
+            k = min(auto_k(clock, k_max) if auto else k_max, max_new - generated - 1)
             drafts, q = [], None
             if drafter and k > 0:
+                calls = drafter.calls
                 with clock.time("draft"):
                     drafts, q = drafter.propose(context, k, sampling, rng)
-                clock.draft_calls += len(drafts) if drafter.name == "model" else 1
+                clock.draft_calls += drafter.calls - calls
             with clock.time("target"):
                 logits = self.target.forward(cache, [context[-1], *drafts], len(drafts) + 1)
             with clock.time("sampling"):

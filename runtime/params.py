@@ -51,6 +51,23 @@ def check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def check_draft_tokens(value: object) -> tuple[int, bool]:
+    """(K, auto): an integer K >= 1, or "auto" (K chosen up to AUTO_MAX_K as it runs)."""
+    from .draft_length import AUTO_MAX_K
+
+    if value == "auto":
+        return AUTO_MAX_K, True
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"draft_tokens must be an integer >= 1 or 'auto', got {value!r}")
+    return int(value), False
+
+
+def check_threshold(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"draft_threshold must be in [0, 1) (0 = off), got {value!r}")
+    return float(value)
+
+
 def check_drafter(drafter: str) -> str:
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")

@@ -52,20 +52,21 @@ class StepClock:
         self.end = time.perf_counter()
 
 
-def expected_tokens_per_call(beta: float, k: int) -> float:
+def expected_tokens_per_call(beta: float, k: float) -> float:
     """(1 - beta^(K+1)) / (1 - beta), the limit K + 1 at beta = 1."""
     if beta >= 1.0:
         return k + 1.0
     return (1.0 - beta ** (k + 1)) / (1.0 - beta)
 
 
-def ideal_speedup(beta: float, k: int, c: float) -> float:
+def ideal_speedup(beta: float, k: float, c: float) -> float:
     """(1 - beta^(K+1)) / ((1 - beta)(1 + cK))."""
     return expected_tokens_per_call(beta, k) / (1.0 + c * k)
 
 
-def summarize(clock: StepClock, tokens: int, k: int, drafter: str, backend: str,
+def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend: str,
               stop_reason: str) -> dict:
+    """The statistics dict; `k` is the fixed K, "auto", or 0 for plain decoding."""
     s = clock.seconds
     total = clock.end - clock.start
     decode = total - s["prefill"]
@@ -75,12 +76,14 @@ def summarize(clock: StepClock, tokens: int, k: int, drafter: str, backend: str,
     draft_step = s["draft"] / clock.draft_calls if clock.draft_calls else 0.0
     c = draft_step / target_step if target_step else 0.0
     measured = [s["prefill"], s["draft"], s["target"], s["sampling"]]
+    mean_k = clock.drafted / target_calls if target_calls else 0.0
     return {
         "tokens_generated": tokens,
         "stop_reason": stop_reason,
         "backend": backend,
         "drafter": drafter,
         "draft_tokens_k": k,
+        "mean_draft_tokens": mean_k,
         "target_calls": target_calls,
         "draft_calls": clock.draft_calls,
         "drafted_tokens": clock.drafted,
@@ -99,5 +102,6 @@ def summarize(clock: StepClock, tokens: int, k: int, drafter: str, backend: str,
         "tokens_per_second": tokens / total if total > 0 else 0.0,
         "decode_tokens_per_second": (tokens - 1) / decode if decode > 0 else 0.0,
         "draft_cost_ratio_c": c,
-        "ideal_speedup": ideal_speedup(beta, k, c) if k else 1.0,
+        "ideal_speedup": ideal_speedup(beta, k if isinstance(k, int) else mean_k, c)
+        if k else 1.0,
     }

@@ -70,11 +70,11 @@ def test_interrupted_export_leaves_nothing(tiny_checkpoints, tmp_path, monkeypat
     real = export_bundle_module.export_onnx
     calls = []
 
-    def fail_on_draft(model, path):
+    def fail_on_draft(model, path, **kwargs):
         calls.append(path)
         if path.endswith("draft.onnx"):
             raise KeyboardInterrupt
-        real(model, path)
+        real(model, path, **kwargs)
 
     monkeypatch.setattr(export_bundle_module, "export_onnx", fail_on_draft)
     with pytest.raises(KeyboardInterrupt):
@@ -88,7 +88,7 @@ def test_interrupted_reexport_keeps_the_old_bundle(tiny_checkpoints, tmp_path, m
     export_bundle(str(tiny_checkpoints["llama"]), out)
     before = (out / "manifest.json").read_text()
 
-    def boom(model, path):
+    def boom(model, path, **kwargs):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(export_bundle_module, "export_onnx", boom)

@@ -175,3 +175,52 @@ def test_prompt_lookup_proposes_the_continuation_of_the_last_match():
     ids, _ = d.propose([1, 2, 3, 1, 2, 4, 1, 2], 2, Sampling(), rng)
     assert ids == [4, 1]  # the most recent match of "1 2"
     assert d.propose([1, 2, 3], 3, Sampling(), rng)[0] == []
+
+
+def test_best_k_follows_the_speedup_formula():
+    from specedge.runtime.draft_length import best_k
+    from specedge.runtime.stats import ideal_speedup
+
+    for beta in (0.1, 0.5, 0.8, 0.95):
+        for c in (0.0, 0.05, 0.3):
+            k = best_k(beta, c, 8)
+            assert all(ideal_speedup(beta, k, c) >= ideal_speedup(beta, j, c)
+                       for j in range(1, 9))
+    assert best_k(0.95, 0.01, 8) == 8      # a cheap, accurate draft drafts long
+    assert best_k(0.2, 0.3, 8) == 1        # a poor, costly one drafts one token
+
+
+@pytest.mark.parametrize("setting", [dict(draft_tokens="auto"),
+                                     dict(draft_tokens=6, draft_threshold=0.5),
+                                     dict(draft_tokens="auto", draft_threshold=0.3)])
+def test_adaptive_drafting_stays_exact(gen, setting):
+    for prompt in PROMPTS:
+        plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=40, **setting)
+        assert spec.token_ids == plain.token_ids
+    s = spec.stats
+    assert s["draft_calls"] >= s["drafted_tokens"]
+    assert s["mean_draft_tokens"] == pytest.approx(s["drafted_tokens"] / s["target_calls"])
+
+
+def test_auto_k_reads_the_measured_acceptance_and_cost():
+    from specedge.runtime.draft_length import auto_k
+    from specedge.runtime.stats import StepClock
+
+    clock = StepClock()
+    assert 1 <= auto_k(clock) <= 8  # the prior alone
+    clock.drafted, clock.accepted = 400, 390
+    clock.draft_calls, clock.calls["target"] = 400, 100
+    clock.seconds["draft"], clock.seconds["target"] = 0.4, 10.0   # c = 0.01
+    assert auto_k(clock) == 8
+    clock.accepted = 40
+    clock.seconds["draft"] = 40.0                                   # c = 1
+    assert auto_k(clock) == 1
+
+
+def test_threshold_cuts_drafts_short(gen):
+    full = gen.generate("the cat sat", raw=True, max_new_tokens=60, draft_tokens=6)
+    cut = gen.generate("the cat sat", raw=True, max_new_tokens=60, draft_tokens=6,
+                       draft_threshold=0.9)
+    assert cut.stats["mean_draft_tokens"] < full.stats["mean_draft_tokens"]
+    assert cut.token_ids == full.token_ids
