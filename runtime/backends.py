@@ -8,6 +8,7 @@ cache, return logits for the last `logits_to_keep` positions. Backends are chose
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -49,6 +50,7 @@ class OrtCpuBackend:
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
         self._bound: tuple | None = None
+        self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
         self._scratch = np.zeros(0, np.float32)
         self._logits = np.zeros(0, np.float32)
 
@@ -95,7 +97,9 @@ class OrtCpuBackend:
         self._ids[1, 0] = np.arange(cache.length, cache.length + t)
         self._past_length[0] = cache.length
         self._keep[0] = logits_to_keep
+        t0 = time.perf_counter()
         self.session.run_with_iobinding(self._binding)
+        self.run_seconds += time.perf_counter() - t0
         cache.write(list(self._scratch[0::2]), list(self._scratch[1::2]))
         return self._logits[0]
 

@@ -168,6 +168,7 @@ class Generator:
             logits = self.target.forward(cache, prompt, 1)
         with clock.time("sampling"):
             token = sampling.pick(logits[-1], rng)
+        clock.model_seconds = -self._model_seconds()
         context = [*prompt, token]
         yield [token]
         generated = 1
@@ -195,9 +196,13 @@ class Generator:
             new = [*drafts[:n], token]
             context += new
             generated += len(new)
+            clock.model_seconds_end = self._model_seconds()
             yield new
 
     # ---- helpers --------------------------------------------------------------------------
+
+    def _model_seconds(self) -> float:
+        return self.target.run_seconds + (self.draft.run_seconds if self.draft else 0.0)
 
     def _drafter(self, name: str):
         if name == "prompt-lookup":

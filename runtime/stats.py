@@ -23,6 +23,8 @@ class StepClock:
         self.draft_calls = 0
         self.drafted = 0
         self.accepted = 0
+        self.model_seconds = 0.0      # -(backend seconds) at decode start ...
+        self.model_seconds_end = 0.0  # ... and backend seconds after the last step
         self.position_tries: list[int] = []
         self.position_accepts: list[int] = []
 
@@ -77,6 +79,7 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
     c = draft_step / target_step if target_step else 0.0
     measured = [s["prefill"], s["draft"], s["target"], s["sampling"]]
     mean_k = clock.drafted / target_calls if target_calls else 0.0
+    model_decode = clock.model_seconds_end + clock.model_seconds if target_calls else 0.0
     return {
         "tokens_generated": tokens,
         "stop_reason": stop_reason,
@@ -91,6 +94,8 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
         "acceptance_rate": beta,
         "acceptance_per_position": [a / t if t else 0.0 for a, t in
                                     zip(clock.position_accepts, clock.position_tries)],
+        "position_tries": list(clock.position_tries),
+        "position_accepts": list(clock.position_accepts),
         # The first token comes from the prefill call; the rest from decode target calls.
         "tokens_per_target_call": (tokens - 1) / target_calls if target_calls else 0.0,
         "time_total_s": total,
@@ -99,6 +104,9 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
         "time_target_s": s["target"],
         "time_sampling_s": s["sampling"],
         "time_other_s": max(0.0, total - sum(measured)),
+        # Decode steps only: time spent outside ONNX Runtime (sampling, bookkeeping, Python).
+        "outside_model_share": 1.0 - model_decode / decode if decode > 0 and target_calls
+        else 0.0,
         "tokens_per_second": tokens / total if total > 0 else 0.0,
         "decode_tokens_per_second": (tokens - 1) / decode if decode > 0 else 0.0,
         "draft_cost_ratio_c": c,

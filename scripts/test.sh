@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e ".[export,dev]"
+python -m pip install --quiet -e ".[export,bench,dev]"
 ruff check .
 python -m pytest "$@"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specedge.runtime.errors import SpecEdgeError
+
 
 class Parser(argparse.ArgumentParser):
     """Bad usage: one line on stderr and exit status 2, never a usage dump or a traceback."""
@@ -33,7 +35,20 @@ def main(argv: list[str] | None = None) -> None:
     distill_parser = sub.add_parser("distill", help="train a small draft for a target on "
                                     "text the target generates (needs the export extra)")
     add_distill_arguments(distill_parser)
+    bench_parser = sub.add_parser("bench", help="speculative vs plain decoding and other "
+                                  "systems on a prompt set; writes JSON, markdown, plots")
+    from specedge.bench.run import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench_parser)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from specedge.bench.run import main as bench_main
+
+        try:
+            bench_main(args)
+        except (ValueError, SpecEdgeError) as e:
+            fail(str(e))
+        return
     if args.command in ("export", "distill"):
         try:
             from specedge.export import cli as export_cli

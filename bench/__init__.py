@@ -1,0 +1,2 @@
+"""`specedge bench`: speculative vs plain decoding side by side, plus the tools users would
+pick instead (Hugging Face transformers, llama.cpp) when they are installed."""

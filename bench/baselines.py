@@ -1,0 +1,84 @@
+"""What users would run instead, measured on the same prompts and token budget (greedy).
+
+Each baseline is skipped, with the reason recorded, when its package is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+
+def _hf_models(bundle: Path):
+    """The bundle's target and draft as transformers models (the export extra)."""
+    from specedge.export.distill import is_distilled_draft, load_draft
+    from specedge.export.draft import truncated_draft
+    from specedge.export.sources import load_model
+
+    source = json.loads((bundle / "manifest.json").read_text())["source"]
+    target, tokenizer = load_model(source["model"])
+    draft = None
+    if source.get("draft") and is_distilled_draft(source["draft"]):
+        draft = load_draft(Path(source["draft"]), target, tokenizer)
+        # transformers' assistant scores the whole vocabulary with the tied head.
+        del draft.specedge_head_ids
+    elif source.get("draft"):
+        draft = load_model(source["draft"])[0]
+    elif source.get("draft_layers"):
+        draft = truncated_draft(target, source["draft_layers"])
+    return target, draft
+
+
+def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
+    """transformers plain greedy and assisted generation (the bundle's draft as assistant)."""
+    if importlib.util.find_spec("torch") is None:
+        return {"skipped": "torch / transformers not installed (pip install -e '.[export]')"}
+    import torch
+
+    target, draft = _hf_models(bundle)
+    results = {}
+    for name, assistant in (("transformers plain", None), ("transformers assisted", draft)):
+        if name.endswith("assisted") and assistant is None:
+            results[name] = {"skipped": "the bundle has no draft"}
+            continue
+        tokens, seconds = 0, 0.0
+        for ids in prompt_ids:
+            kwargs = {"assistant_model": assistant} if assistant is not None else {}
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                      min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+                seconds += time.perf_counter() - t0
+            tokens += out.shape[1] - len(ids)
+        results[name] = {"tokens": tokens, "seconds": seconds,
+                         "tokens_per_second": tokens / seconds}
+    return results
+
+
+def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens: int,
+                  threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, decode time only."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"llama.cpp plain": {"skipped": "llama-cpp-python not installed"}}
+    if gguf is None:
+        return {"llama.cpp plain": {"skipped": "no GGUF for this bundle"}}
+    from llama_cpp import Llama
+
+    # n_batch=1: on some CPUs llama.cpp's multi-token batches crash (DESIGN.md).
+    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=1,
+                verbose=False)
+    tokens, seconds = 0, 0.0
+    for ids in prompt_ids:
+        llm.reset()
+        stream = llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)
+        next(stream)  # the first token comes with the prompt evaluation: not decode time
+        t0 = time.perf_counter()
+        for n, _ in enumerate(stream, start=1):
+            if n >= max_new_tokens - 1:
+                break
+        seconds += time.perf_counter() - t0
+        tokens += n
+    return {"llama.cpp plain": {"tokens": tokens, "seconds": seconds,
+                                "tokens_per_second": tokens / seconds}}

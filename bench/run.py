@@ -1,0 +1,87 @@
+"""`specedge bench --bundle DIR`: run every configuration on the prompt set, compare with
+the other systems, write bench.json, bench.md and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from specedge.runtime import Generator
+
+from . import baselines, report
+from .configs import aggregate, configurations, load_prompts, run_ours
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, type=Path)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, help="use only the first N prompts")
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 6],
+                   help="fixed K values to try (default 2 3 4 6)")
+    p.add_argument("--systems-prompts", type=int, default=8,
+                   help="prompts for the other systems, which are slow (default 8)")
+    p.add_argument("--no-baselines", action="store_true", help="skip transformers, llama.cpp")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("bench_results"))
+
+
+def _gguf(bundle: Path) -> Path | None:
+    source = json.loads((bundle / "manifest.json").read_text())["source"]["model"]
+    if source.endswith(".gguf"):
+        return Path(source)
+    if source == "smollm2-135m":
+        from specedge.export.sources import fetch_smollm2_gguf
+
+        return fetch_smollm2_gguf()
+    return None
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    gen = Generator.from_bundle(args.bundle, threads=args.threads)
+    prompts = load_prompts(args.limit)
+    configs = configurations(args.ks, gen.draft is not None)
+    for _, kwargs in configs:  # warm up every code path once
+        gen.generate(prompts[0]["prompt"], max_new_tokens=8, **kwargs)
+    bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", file=sys.stderr)
+    runs = run_ours(gen, prompts, configs, args.max_new_tokens, bar)
+    bar.close()
+
+    table = {}
+    for name, stats in runs.items():
+        row = aggregate(stats)
+        plain = table[name.split("/")[0] + "/plain"] if not name.endswith("plain") else row
+        row["speedup"] = row["tokens_per_second"] / plain["tokens_per_second"]
+        row["measured_over_ideal"] = row["speedup"] / row["ideal_speedup"]
+        row["by_category"] = {cat: aggregate([s for s in stats if s["category"] == cat])
+                              ["tokens_per_second"] for cat in sorted({s["category"]
+                                                                       for s in stats})}
+        table[name] = row
+
+    n = min(args.systems_prompts, len(prompts))
+    end_to_end = {name: sum(s["tokens_generated"] for s in stats[:n]) /
+                  sum(s["time_total_s"] for s in stats[:n]) for name, stats in runs.items()
+                  if name.startswith("greedy/")}
+    best = max(end_to_end, key=end_to_end.get)  # the fastest exact configuration
+    systems = {"specedge plain": {"tokens_per_second": end_to_end["greedy/plain"]},
+               "specedge best": {"tokens_per_second": end_to_end[best], "configuration": best}}
+    if not args.no_baselines:
+        ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
+               for p in prompts[:n]]
+        systems.update(baselines.run_transformers(args.bundle, ids, args.max_new_tokens))
+        systems.update(baselines.run_llama_cpp(_gguf(args.bundle), ids, args.max_new_tokens,
+                                               args.threads or os.cpu_count() or 1))
+    return {"bundle": str(args.bundle), "precision": gen.bundle.manifest.get("precision"),
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "systems_prompts": n, "configurations": table, "systems": systems}
+
+
+def main(args: argparse.Namespace) -> None:
+    results = run(args)
+    for path in report.write(results, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    print(report.markdown(results))

@@ -1,0 +1,50 @@
+"""`specedge bench` on a tiny bundle: every configuration runs and every output is written."""
+
+from __future__ import annotations
+
+import json
+
+from specedge.bench.configs import aggregate, load_prompts
+from specedge.cli import main
+
+
+def test_prompt_set_covers_the_three_tasks():
+    prompts = load_prompts()
+    cats = {p["category"] for p in prompts}
+    assert len(prompts) >= 30 and cats == {"chat", "summarize", "code"}
+    assert all(p["prompt"].strip() for p in prompts)
+
+
+def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
+    out = tmp_path / "bench"
+    main(["bench", "--bundle", str(tiny_bundle), "--limit", "3", "--max-new-tokens", "12",
+          "--ks", "2", "3", "--no-baselines", "--out", str(out)])
+    results = json.loads((out / "bench.json").read_text())
+    configs = results["configurations"]
+    assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
+                            "greedy/draft auto", "greedy/prompt-lookup K=4", "sampled/plain",
+                            "sampled/draft K=2", "sampled/draft auto"}
+    assert configs["greedy/plain"]["speedup"] == 1.0
+    for row in configs.values():
+        assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
+        assert row["measured_over_ideal"] > 0
+    assert len(configs["greedy/draft K=3"]["acceptance_per_position"]) == 3
+    assert results["systems"]["specedge best"]["tokens_per_second"] >= \
+        results["systems"]["specedge plain"]["tokens_per_second"]
+    for name in ("bench.md", "speedup_vs_k.png", "acceptance_per_position.png",
+                 "systems.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| greedy/draft K=2 |" in capsys.readouterr().out
+
+
+def test_aggregate_uses_ratios_of_sums():
+    a = {"tokens_generated": 11, "target_calls": 10, "draft_calls": 20, "drafted_tokens": 20,
+         "accepted_tokens": 0, "time_total_s": 2.0, "time_prefill_s": 1.0, "time_draft_s": 0.2,
+         "time_target_s": 0.7, "outside_model_share": 0.1, "position_tries": [10, 10],
+         "position_accepts": [0, 0]}
+    b = {**a, "tokens_generated": 31, "accepted_tokens": 20, "position_accepts": [10, 10]}
+    row = aggregate([a, b])
+    assert row["acceptance_rate"] == 0.5
+    assert row["acceptance_per_position"] == [0.5, 0.5]
+    assert row["tokens_per_second"] == (11 + 31 - 2) / 2.0
+    assert row["tokens_per_target_call"] == 40 / 20
