@@ -1,8 +1,12 @@
 """Drafters propose K tokens after the context, with their probabilities q (DESIGN step 1).
 
+`start(prompt, capacity)` begins a generation (a model drafter prefills the prompt).
 `propose` returns (token ids, q) where q is [k, vocab] processed draft probabilities, or None
-when q is one-hot (greedy drafting, or a model-free drafter: DESIGN step 6).
+when q is one-hot (greedy drafting, or a model-free drafter: DESIGN step 6). A `threshold`
+> 0 stops drafting at the first token whose draft probability q(x) is below it: a token the
+draft itself doubts is likely rejected, and every draft token after a rejection is wasted.
 `rollback(n)` tells the drafter that only the first n context tokens are still valid.
+`calls` counts the drafter's forward calls, for the cost ratio c.
 """
 
 from __future__ import annotations
@@ -17,30 +21,26 @@ from .sampling import sample
 
 
 class ModelDrafter:
-    """A small draft model with its own KV cache, run one token at a time.
-
-    `threshold` > 0 stops drafting at the first token whose draft probability q(x) is below
-    it: a token the draft itself doubts is likely to be rejected, and every draft token
-    after a rejection is wasted work.
-    """
+    """A small draft model with its own KV cache, run one token at a time."""
 
     name = "model"
 
     def __init__(self, backend: OrtCpuBackend):
         self.backend = backend
         self.cache: KVCache | None = None
-        self.threshold = 0.0
-        self.calls = 0  # forward calls, for the cost ratio c
+        self.calls = 0
 
-    def reset(self, capacity: int) -> None:
+    def start(self, prompt: list[int], capacity: int) -> None:
         if self.cache is None or self.cache.capacity != capacity:
             self.cache = self.backend.new_cache(capacity)
         self.cache.rollback(0)
+        self.backend.forward(self.cache, prompt, 1)
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        # The cache holds rows for a prefix of the context; the rest (the prompt on the first
-        # call, then 1 or 2 tokens) goes in with the first draft step.
+                rng: np.random.Generator,
+                threshold: float = 0.0) -> tuple[list[int], np.ndarray | None]:
+        # The cache holds rows for a prefix of the context; the rest (1 or 2 tokens) goes in
+        # with the first draft step.
         feed = context[self.cache.length:]
         ids, qs = [], []
         for _ in range(k):
@@ -48,12 +48,12 @@ class ModelDrafter:
             self.calls += 1
             if sampling.greedy:
                 x = int(np.argmax(logits))
-                if self.threshold and 1.0 / np.exp(logits - logits[x]).sum() < self.threshold:
+                if threshold and 1.0 / np.exp(logits - logits[x]).sum() < threshold:
                     break  # q(x) = 1 / sum_j exp(l_j - l_x) for the argmax x
             else:
                 q = sampling.probs(logits)
                 x = sample(q, rng)
-                if self.threshold and q[x] < self.threshold:
+                if threshold and q[x] < threshold:
                     break
                 qs.append(q)
             ids.append(x)
@@ -72,14 +72,14 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
-        self.threshold = 0.0  # q is one-hot: nothing to threshold
         self.calls = 0
 
-    def reset(self, capacity: int) -> None:
+    def start(self, prompt: list[int], capacity: int) -> None:
         pass
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
-                rng: np.random.Generator) -> tuple[list[int], None]:
+                rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], None]:
+        """q is one-hot (certain), so `threshold` never cuts a lookup draft short."""
         self.calls += 1
         tokens = np.asarray(context)
         for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):

@@ -109,10 +109,8 @@ class Generator:
         tokens: list[int] = []
         reason = "max_new_tokens"
         text = ""
-        if proposer:
-            proposer.threshold = threshold
         chunks = self._decode(ids, max_new_tokens, sampling, k_max if proposer else 0, auto,
-                              proposer, rng, clock)
+                              threshold, proposer, rng, clock)
         eos = set(self.bundle.eos_token_ids)
 
         def accepted() -> Iterator[list[int]]:
@@ -154,21 +152,21 @@ class Generator:
     # ---- the loop -------------------------------------------------------------------------
 
     def _decode(self, prompt: list[int], max_new: int, sampling: Sampling, k_max: int,
-                auto: bool, drafter, rng: np.random.Generator,
+                auto: bool, threshold: float, drafter, rng: np.random.Generator,
                 clock: StepClock) -> Iterator[list[int]]:
         capacity = capacity_for(len(prompt) + max_new, self.max_context)
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         cache = self._cache
         cache.rollback(0)
-        if drafter:
-            drafter.reset(capacity)
 
         with clock.time("prefill"):
             logits = self.target.forward(cache, prompt, 1)
+            if drafter:
+                drafter.start(prompt, capacity)
         with clock.time("sampling"):
             token = sampling.pick(logits[-1], rng)
-        clock.model_seconds = -self._model_seconds()
+        clock.model_start = self._model_seconds()
         context = [*prompt, token]
         yield [token]
         generated = 1
@@ -179,7 +177,7 @@ class Generator:
             if drafter and k > 0:
                 calls = drafter.calls
                 with clock.time("draft"):
-                    drafts, q = drafter.propose(context, k, sampling, rng)
+                    drafts, q = drafter.propose(context, k, sampling, rng, threshold)
                 clock.draft_calls += drafter.calls - calls
             with clock.time("target"):
                 logits = self.target.forward(cache, [context[-1], *drafts], len(drafts) + 1)
@@ -196,7 +194,7 @@ class Generator:
             new = [*drafts[:n], token]
             context += new
             generated += len(new)
-            clock.model_seconds_end = self._model_seconds()
+            clock.model_end = self._model_seconds()
             yield new
 
     # ---- helpers --------------------------------------------------------------------------

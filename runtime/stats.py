@@ -23,8 +23,8 @@ class StepClock:
         self.draft_calls = 0
         self.drafted = 0
         self.accepted = 0
-        self.model_seconds = 0.0      # -(backend seconds) at decode start ...
-        self.model_seconds_end = 0.0  # ... and backend seconds after the last step
+        self.model_start = 0.0  # seconds inside the backends when decoding starts...
+        self.model_end = 0.0    # ...and after the last decode step
         self.position_tries: list[int] = []
         self.position_accepts: list[int] = []
 
@@ -79,7 +79,7 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
     c = draft_step / target_step if target_step else 0.0
     measured = [s["prefill"], s["draft"], s["target"], s["sampling"]]
     mean_k = clock.drafted / target_calls if target_calls else 0.0
-    model_decode = clock.model_seconds_end + clock.model_seconds if target_calls else 0.0
+    model_decode = clock.model_end - clock.model_start if target_calls else 0.0
     return {
         "tokens_generated": tokens,
         "stop_reason": stop_reason,
