@@ -9,7 +9,8 @@ sampled acceptance is sum_x min(p(x), q(x)) = 1 - TV(p, q).
 
 The draft is cheap by construction:
 * the target's embedding table, frozen, reused as input embedding (not stored);
-* a few decoder layers of the target's width, initialised from evenly spaced target layers;
+* a few decoder layers of the target's width, initialised from the target's first layers
+  (their inputs are the embeddings, as in the draft; later layers expect deeper features);
 * an output head over the `head_tokens` most frequent answer tokens only (rows of the
   embedding table); other tokens get q = 0, which the exact acceptance rule handles.
 
@@ -33,8 +34,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-
-from .draft import num_layers
 
 DRAFT_META = "specedge_draft.json"
 DRAFT_WEIGHTS = "weights.safetensors"
@@ -75,11 +74,18 @@ class DistillConfig:
     new_tokens: int = 128
     sampled_fraction: float = 0.25
     generate_batch: int = 32
-    epochs: int = 4
+    epochs: int = 24
     batch: int = 16
     lr: float = 1e-3
     seed: int = 0
     top_k: int = 32
+
+    DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
+                   "seed", "top_k")
+
+    def data_settings(self) -> dict:
+        """What the generated data depends on; the rest only shapes training."""
+        return {k: v for k, v in asdict(self).items() if k in self.DATA_FIELDS}
 
 
 def training_prompts(n: int, seed: int) -> list[str]:
@@ -160,16 +166,14 @@ def make_draft(target, layers: int):
     """A `layers`-layer model of the target's width, initialised from target layers."""
     from transformers import AutoModelForCausalLM
 
-    total = num_layers(target.config)
     config = target.config.__class__.from_dict(target.config.to_dict())
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
     config.tie_word_embeddings = True
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    picks = [round(i * (total - 1) / max(1, layers - 1)) for i in range(layers)]
-    for mine, theirs in zip(draft.model.layers, picks):
-        mine.load_state_dict(target.model.layers[theirs].state_dict())
+    for mine, theirs in zip(draft.model.layers, target.model.layers):
+        mine.load_state_dict(theirs.state_dict())
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
     # The target's embedding table, shared and frozen; the tied head reads the same rows.
     draft.model.embed_tokens.weight = target.model.embed_tokens.weight
@@ -321,11 +325,16 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    config_path = work / "config.json"
-    if config_path.is_file() and json.loads(config_path.read_text()) != asdict(cfg):
-        raise ValueError(f"{work} holds a run with other settings; use another --out or "
-                         "delete it")
-    config_path.write_text(json.dumps(asdict(cfg), indent=1))
+    # Generated data is reused only for the same data settings; a training state only for
+    # the same settings altogether (otherwise training starts over on the cached data).
+    data_path, run_path = work / "data-settings.json", work / "settings.json"
+    if data_path.is_file() and json.loads(data_path.read_text()) != cfg.data_settings():
+        raise ValueError(f"{work} holds data generated with other settings; use another "
+                         "--out or delete it")
+    data_path.write_text(json.dumps(cfg.data_settings(), indent=1))
+    if run_path.is_file() and json.loads(run_path.read_text()) != asdict(cfg):
+        (work / "train.pt").unlink(missing_ok=True)
+    run_path.write_text(json.dumps(asdict(cfg), indent=1))
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.target)
     if target.config.model_type not in ("llama", "mistral", "qwen2"):

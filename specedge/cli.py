@@ -85,7 +85,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="output head size: the most frequent tokens (default 8192)")
     p.add_argument("--prompts", type=int, default=480, help="training prompts (default 480)")
     p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -49,6 +49,19 @@ def test_draft_folder_holds_only_what_is_new(distilled):
     assert 0 <= meta["report"]["val_top1_agreement"] <= 1
 
 
+def test_other_training_settings_reuse_the_data(distilled, tmp_path):
+    import shutil
+
+    out, cfg, _ = distilled
+    copy = tmp_path / "draft"
+    shutil.copytree(out, copy)
+    shards = {p.name: p.stat().st_mtime_ns for p in (copy / "work").glob("data-*.pt")}
+    meta = distill(copy, DistillConfig(**{**cfg.__dict__, "epochs": 1}))
+    assert {p.name: p.stat().st_mtime_ns for p in (copy / "work").glob("data-*.pt")} == shards
+    assert meta["report"]["steps"] < json.loads((out / DRAFT_META).read_text())["report"][
+        "steps"]
+
+
 def test_training_improves_on_the_untrained_draft(distilled):
     """The loss after training is below the loss of the freshly initialised draft."""
     import torch
@@ -78,10 +91,10 @@ def test_rerun_resumes_instead_of_redoing(distilled):
     assert (out / "work" / "train.pt").stat().st_mtime_ns == state
 
 
-def test_rerun_with_other_settings_is_refused(distilled):
+def test_rerun_with_other_data_settings_is_refused(distilled):
     out, cfg, _ = distilled
-    with pytest.raises(ValueError, match="other settings"):
-        distill(out, DistillConfig(**{**cfg.__dict__, "layers": 2}))
+    with pytest.raises(ValueError, match="data generated with other settings"):
+        distill(out, DistillConfig(**{**cfg.__dict__, "new_tokens": 99}))
 
 
 def test_export_verifies_the_head_restricted_draft(distilled_bundle):
