@@ -71,9 +71,25 @@ def _special_tokens(model, tokenizer) -> dict:
             "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
 
 
+def _fingerprint(source: str | None) -> str | None:
+    """Changes when a local model file or folder changes (name, size, mtime of each file)."""
+    if source is None or not Path(source).exists():
+        return None
+    path = Path(source)
+    files = sorted(p for p in ([path] if path.is_file() else path.rglob("*"))
+                   if p.is_file() and "work" not in p.relative_to(path).parts[:1])
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
 def export_args(model: str, draft: str | None, draft_layers: int | None,
                 max_context: int | None, precision: str) -> dict:
-    return {"model": model, "draft": draft, "draft_layers": draft_layers,
+    """What a bundle was made from: an up-to-date bundle has exactly these."""
+    return {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
+            "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
             "max_context": max_context, "precision": precision}
 
 

@@ -38,18 +38,45 @@ from tqdm import tqdm
 DRAFT_META = "specedge_draft.json"
 DRAFT_WEIGHTS = "weights.safetensors"
 
+# Topics of the bench prompts (bench/prompts.jsonl) are left out, so the bench measures the
+# draft on prompts it has not seen.
 TOPICS = [
-    "volcanoes", "the French Revolution", "photosynthesis", "black holes", "bees",
+    "volcanoes", "the French Revolution", "photosynthesis", "black holes",
     "the stock market", "machine learning", "the Roman Empire", "climate change", "coffee",
     "the human heart", "electric cars", "the internet", "chess", "vaccines", "the moon",
-    "jazz music", "rainforests", "earthquakes", "the printing press", "sleep", "bread baking",
+    "jazz music", "rainforests", "earthquakes", "the printing press", "bread baking",
     "the Olympic Games", "solar panels", "dinosaurs", "the immune system", "Shakespeare",
-    "recycling", "the water cycle", "ancient Egypt", "honeybees", "gravity", "antibiotics",
+    "recycling", "the water cycle", "ancient Egypt", "gravity", "antibiotics",
     "the Great Wall of China", "cloud computing", "meditation", "the Amazon river", "glaciers",
     "the periodic table", "democracy", "octopuses", "renewable energy", "the Renaissance",
     "public speaking", "time management", "healthy eating", "learning a language", "DNA",
-    "airplanes", "the ocean tides", "money", "friendship", "gardening", "mountains",
-    "the camera", "volunteering", "traffic lights", "the violin", "deserts", "penguins",
+    "airplanes", "the ocean tides", "money", "friendship", "mountains",
+    "the camera", "volunteering", "traffic lights", "the violin", "deserts", "penguins", "tea",
+    "rivers", "the telephone", "smartphones", "batteries", "wind turbines",
+    "nuclear power", "the human brain", "memory", "dreams", "exercise", "yoga",
+    "football", "basketball", "tennis", "swimming", "cycling", "photography", "painting",
+    "sculpture", "poetry", "novels", "theaters", "movies",
+    "television", "radio", "newspapers", "podcasts", "video games", "board games", "puzzles",
+    "mathematics", "prime numbers", "geometry", "statistics", "probability", "algebra",
+    "calculus", "physics", "chemistry", "biology", "astronomy", "the solar system", "Mars",
+    "Jupiter", "comets", "satellites", "rockets", "the space station",
+    "hurricanes", "tornadoes", "snow", "rain", "lightning", "rainbows", "clouds", "forests",
+    "trees", "flowers", "mushrooms", "insects", "butterflies", "ants", "spiders",
+    "owls", "eagles", "whales", "dolphins", "sharks", "coral reefs", "elephants", "lions",
+    "wolves", "horses", "dogs", "farming", "rice", "wheat", "chocolate", "cheese",
+    "pizza", "soup", "spices", "cooking", "kitchens", "restaurants", "markets", "shopping",
+    "advertising", "banks", "taxes", "budgets", "saving money", "jobs", "interviews",
+    "teamwork", "leadership", "negotiation", "email etiquette", "writing essays",
+    "note taking", "exams", "homework", "teachers", "universities",
+    "online courses", "history", "archaeology", "maps", "travel", "trains", "ships", "cars",
+    "roads", "cities", "villages", "architecture", "houses", "furniture", "clothing",
+    "fashion", "shoes", "textiles", "plastic", "glass", "steel", "wood", "paper", "ink",
+    "computers", "programming", "databases", "web browsers", "passwords", "encryption",
+    "robots", "drones", "3D printing", "sensors", "electricity", "magnets", "light", "sound",
+    "music theory", "guitars", "pianos", "drums", "choirs", "opera", "dance", "festivals",
+    "holidays", "birthdays", "weddings", "family", "parenting", "childhood", "old age",
+    "kindness", "honesty", "courage", "patience", "habits", "motivation", "stress",
+    "happiness",
 ]
 TASKS = [
     "Explain {t} to a ten-year-old.",
@@ -70,11 +97,11 @@ class DistillConfig:
     target: str = "smollm2-135m"
     layers: int = 2
     head_tokens: int = 8192
-    prompts: int = 480
+    prompts: int = 1200
     new_tokens: int = 128
     sampled_fraction: float = 0.25
     generate_batch: int = 32
-    epochs: int = 24
+    epochs: int = 6
     batch: int = 16
     lr: float = 1e-3
     seed: int = 0
@@ -106,10 +133,10 @@ def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     with torch.no_grad():
+        sampling = {"temperature": 0.7, "top_k": 0, "top_p": 1.0} if sampled else {}
         out = model.generate(**enc, max_new_tokens=cfg.new_tokens, do_sample=sampled,
-                             temperature=0.7 if sampled else None, top_k=0, top_p=1.0,
                              return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=tokenizer.pad_token_id or 0)
+                             pad_token_id=tokenizer.pad_token_id or 0, **sampling)
     logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
     top = torch.log_softmax(logits, dim=-1).topk(cfg.top_k, dim=-1)
     eos = set(model.generation_config.eos_token_id
@@ -222,7 +249,7 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
     steps_per_epoch = math.ceil(len(train_set) / cfg.batch)
     total_steps = steps_per_epoch * cfg.epochs
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / total_steps)))
     state_path, step = work / "train.pt", 0

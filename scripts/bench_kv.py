@@ -24,8 +24,8 @@ def default_bundle() -> Path:
     from specedge.export.bundle import export_bundle
     from specedge.export.sources import cache_dir
 
-    out = cache_dir() / "bundles" / "smollm2-test"
-    export_bundle("smollm2-135m", out, draft_layers=4)
+    out = cache_dir() / "bundles" / "smollm2-fp32"
+    export_bundle("smollm2-135m", out)
     return out
 
 

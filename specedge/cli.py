@@ -83,9 +83,10 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--head-tokens", type=int, default=8192,
                    help="output head size: the most frequent tokens (default 8192)")
-    p.add_argument("--prompts", type=int, default=480, help="training prompts (default 480)")
+    p.add_argument("--prompts", type=int, default=1200,
+                   help="training prompts (default 1200)")
     p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
-    p.add_argument("--epochs", type=int, default=24)
+    p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -18,7 +18,8 @@ from tiny_models import save_tiny  # noqa: E402
 from specedge.export.bundle import export_bundle  # noqa: E402
 from specedge.export.sources import cache_dir  # noqa: E402
 
-SMOLLM2_DRAFT_LAYERS = 4
+# The distilled draft committed in the repository (specedge distill, see README).
+SMOLLM2_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m"
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +46,13 @@ def tiny_self_draft_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_bundle() -> Path:
-    out = cache_dir() / "bundles" / "smollm2-test"
-    export_bundle("smollm2-135m", out, draft_layers=SMOLLM2_DRAFT_LAYERS)
+    out = cache_dir() / "bundles" / "smollm2-fp32"
+    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_DRAFT))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_bundle() -> Path:
+    out = cache_dir() / "bundles" / "smollm2-int8"
+    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_DRAFT), precision="int8")
     return out

@@ -4,13 +4,12 @@ only some tokens (q = 0 elsewhere), and exactness against the target."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from scipy.stats import chi2_contingency
 from tiny_models import save_tiny
+from two_sample import first_two_tokens, two_sample_pvalue
 
 from specedge.export.bundle import export_bundle
 from specedge.export.distill import DRAFT_META, DRAFT_WEIGHTS, DistillConfig, distill
@@ -129,20 +128,9 @@ def test_sampling_with_a_partial_head_is_exact(distilled_bundle):
     the joint of the first two tokens: the draft gives q = 0 to tokens outside its head,
     so the residual must supply them."""
     gen = Generator.from_bundle(distilled_bundle[0])
-
-    def pairs(seed0: int, **kw) -> Counter:
-        return Counter(tuple(gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=2,
-                                          seed=seed0 + i, temperature=1.0,
-                                          **kw).token_ids[:2]) for i in range(1500))
-
-    plain, spec = pairs(0, use_draft=False), pairs(10_000, draft_tokens=2)
-    cells = sorted(set(plain) | set(spec))
-    common = [c for c in cells if plain[c] + spec[c] >= 10]
-    rare = [c for c in cells if plain[c] + spec[c] < 10]
-    table = np.array([[plain[c] for c in common] + [sum(plain[c] for c in rare)],
-                      [spec[c] for c in common] + [sum(spec[c] for c in rare)]])
-    table = table[:, table.sum(axis=0) > 0]
-    assert chi2_contingency(table)[1] > 0.001
+    plain = first_two_tokens(gen, 1500, 0, use_draft=False, temperature=1.0)
+    spec = first_two_tokens(gen, 1500, 10_000, draft_tokens=2, temperature=1.0)
+    assert two_sample_pvalue(plain, spec) > 0.001
 
 
 def test_draft_for_another_tokenizer_is_refused(distilled, tmp_path):

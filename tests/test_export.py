@@ -65,6 +65,20 @@ def test_up_to_date_bundle_is_not_redone(tiny_checkpoints, tmp_path, capsys):
     assert (out / "target.onnx").stat().st_mtime_ns != mtime
 
 
+def test_changed_checkpoint_is_re_exported(tiny_checkpoints, tmp_path, capsys):
+    import shutil
+
+    source = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["gpt2"], source)
+    out = tmp_path / "b"
+    export_bundle(str(source), out)
+    mtime = (out / "target.onnx").stat().st_mtime_ns
+    save_tiny(source, "gpt2", seed=3)  # same path, new weights
+    export_bundle(str(source), out)
+    assert "up to date" not in capsys.readouterr().err
+    assert (out / "target.onnx").stat().st_mtime_ns != mtime
+
+
 def test_interrupted_export_leaves_nothing(tiny_checkpoints, tmp_path, monkeypatch):
     out = tmp_path / "b"
     real = export_bundle_module.export_onnx

@@ -3,11 +3,9 @@ distribution (two-sample test), drafters, stopping, streaming and statistics."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
+from two_sample import first_two_tokens, two_sample_pvalue
 
 from specedge.runtime import Generator
 from specedge.runtime.drafters import PromptLookupDrafter
@@ -55,26 +53,6 @@ def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
     assert out.stats["acceptance_rate"] > 0.97
 
 
-def _first_two(gen, n, seed0, **kw):
-    pairs = Counter()
-    for i in range(n):
-        out = gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=2, seed=seed0 + i, **kw)
-        pairs[tuple(out.token_ids[:2])] += 1
-    return pairs
-
-
-def _two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
-    """Chi-square test of homogeneity; cells rarer than min_count in total are pooled."""
-    cells = sorted(set(a) | set(b))
-    common = [c for c in cells if a[c] + b[c] >= min_count]
-    rare = [c for c in cells if a[c] + b[c] < min_count]
-    table = [[a[c] for c in common] + [sum(a[c] for c in rare)],
-             [b[c] for c in common] + [sum(b[c] for c in rare)]]
-    table = np.array(table)
-    table = table[:, table.sum(axis=0) > 0]
-    return chi2_contingency(table)[1]
-
-
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0),
                                       dict(temperature=0.7, top_k=8, top_p=0.9)])
 def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
@@ -83,16 +61,16 @@ def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
     N = 1500 generations per arm (seeds 0.. and 10000..), alpha = 0.001. The draft is the
     target's first layer, so p != q and rejections and residual draws really happen.
     """
-    plain = _first_two(gen, 1500, 0, use_draft=False, **sampling)
-    spec = _first_two(gen, 1500, 10_000, draft_tokens=2, **sampling)
-    assert _two_sample_pvalue(plain, spec) > 0.001
+    plain = first_two_tokens(gen, 1500, 0, use_draft=False, **sampling)
+    spec = first_two_tokens(gen, 1500, 10_000, draft_tokens=2, **sampling)
+    assert two_sample_pvalue(plain, spec) > 0.001
 
 
 def test_two_sample_check_has_power(gen):
     """Negative control: the same check tells temperature 1.0 from 0.8 at the same N."""
-    a = _first_two(gen, 1500, 0, use_draft=False, temperature=1.0)
-    b = _first_two(gen, 1500, 10_000, use_draft=False, temperature=0.8)
-    assert _two_sample_pvalue(a, b) < 0.001
+    a = first_two_tokens(gen, 1500, 0, use_draft=False, temperature=1.0)
+    b = first_two_tokens(gen, 1500, 10_000, use_draft=False, temperature=0.8)
+    assert two_sample_pvalue(a, b) < 0.001
 
 
 def test_sampling_is_reproducible_with_a_seed(gen):

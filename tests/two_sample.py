@@ -1,0 +1,28 @@
+"""Two-sample check of the first two generated tokens, shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from scipy.stats import chi2_contingency
+
+
+def first_two_tokens(gen, n: int, seed0: int, **kwargs) -> Counter:
+    """Counts of (t1, t2) over n generations with seeds seed0 .. seed0 + n - 1."""
+    pairs = Counter()
+    for i in range(n):
+        out = gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=2, seed=seed0 + i, **kwargs)
+        pairs[tuple(out.token_ids[:2])] += 1
+    return pairs
+
+
+def two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
+    """Chi-square test of homogeneity; cells rarer than min_count in total are pooled."""
+    cells = sorted(set(a) | set(b))
+    common = [c for c in cells if a[c] + b[c] >= min_count]
+    rare = [c for c in cells if a[c] + b[c] < min_count]
+    table = np.array([[a[c] for c in common] + [sum(a[c] for c in rare)],
+                      [b[c] for c in common] + [sum(b[c] for c in rare)]])
+    table = table[:, table.sum(axis=0) > 0]
+    return chi2_contingency(table)[1]
