@@ -61,7 +61,8 @@ def aggregate(stats: list[dict]) -> dict:
         for j, (t, a) in enumerate(zip(x["position_tries"], x["position_accepts"])):
             tries[j] += t
             accepts[j] += a
-    beta = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
+    examined = sum(tries)  # beta = accepted / examined drafts, as in runtime/stats.py
+    beta = s["accepted_tokens"] / examined if examined else 0.0
     target_step = s["time_target_s"] / s["target_calls"] if s["target_calls"] else 0.0
     c = (s["time_draft_s"] / s["draft_calls"]) / target_step if s["draft_calls"] else 0.0
     mean_k = s["drafted_tokens"] / s["target_calls"] if s["target_calls"] else 0.0

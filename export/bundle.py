@@ -178,11 +178,13 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         progress.update()
 
         progress.set_postfix_str("export target graph")
-        export_onnx(target, str(tmp / "target.onnx"), share_head=precision == "fp32")
+        # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
+        share_head = precision in ("fp32", "fp16")
+        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head)
         progress.update()
         progress.set_postfix_str("export draft graph")
         if draft_model is not None:
-            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=precision == "fp32")
+            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head)
         progress.update()
 
         report = {}
@@ -239,9 +241,12 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
             raise RuntimeError(f"--verify failed for {', '.join(failed)}: "
                                f"{json.dumps({r: report[r] for r in failed})}")
         tmp.chmod(0o755)  # mkdtemp makes it private
+        old = out.with_name(f".{out.name}.old")
         if out.exists():
-            shutil.rmtree(out)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)  # until the new bundle is in place, the old one survives
         os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         progress.close()
         shutil.rmtree(tmp, ignore_errors=True)

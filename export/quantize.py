@@ -1,8 +1,9 @@
 """Weight-only quantized graphs for ONNX Runtime CPU, and what quantizing cost.
 
 int4 / int8: onnxruntime's MatMulNBitsQuantizer turns every MatMul with a constant weight
-into MatMulNBits and the embedding Gather into GatherBlockQuantized (symmetric, blocks of
-32 along the reduction axis; accuracy_level 4 lets the CPU kernels compute in int8).
+into MatMulNBits and the embedding Gather into GatherBlockQuantized (blocks of 32 along the
+reduction axis with a scale and a zero point each, the grid of GGUF's Q4_1, which SmolLM2
+ships in; accuracy_level 4 lets the CPU kernels compute in int8).
 fp16: weights and activations in fp16, inputs and outputs kept fp32 so the KV-cache
 contract does not change (ONNX Runtime's CPU fp16 kernels are few: this is for GPUs).
 

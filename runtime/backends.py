@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,14 +18,26 @@ from .errors import BackendUnavailableError, BundleError
 from .kv_cache import KVCache
 
 BACKENDS = ("ort-cpu",)
+MAX_KEPT_T = 16
+
+
+@dataclass
+class _Binding:
+    """IO binding for one (T tokens, N kept logits) shape, with the buffers it points to."""
+
+    io: object
+    ids: np.ndarray       # [2, 1, T]: input_ids, position_ids
+    logits: np.ndarray    # [1, N, vocab]
+    presents: np.ndarray  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
 
 
 class OrtCpuBackend:
     """ONNX Runtime, CPU execution provider, with IO binding.
 
     The cache buffers, the small int inputs and the output buffers are bound by address, so a
-    step allocates nothing and copies only the T new K/V rows. Bindings are redone only when
-    T, the number of kept logits or the cache changes.
+    step allocates nothing and copies only the T new K/V rows. One binding is kept per
+    (T, N) shape in use (the target alternates K+1 and smaller T, the draft 1 and 2), and
+    all are dropped when the cache changes.
     """
 
     name = "ort-cpu"
@@ -45,63 +58,63 @@ class OrtCpuBackend:
                               "corrupt or not an ONNX graph: re-export the bundle") from e
         self._inputs, self._outputs = graph_io(spec.num_layers)
         _check_graph(self.session, spec, self._inputs)
-        self._binding = self.session.io_binding()
-        self._ids = np.zeros((1, 0), np.int64)
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
-        self._bound: tuple | None = None
+        self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
+        self._bindings: dict[tuple[int, int], _Binding] = {}
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
-        self._scratch = np.zeros(0, np.float32)
-        self._logits = np.zeros(0, np.float32)
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.spec
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity)
 
-    def _bind(self, cache: KVCache, t: int, n: int) -> None:
-        """(Re)bind every tensor for T input tokens and N kept logits."""
-        b, s = self._binding, self.spec
-        b.clear_binding_inputs()
-        b.clear_binding_outputs()
-        self._ids = np.zeros((2, 1, t), np.int64)  # [0]: input_ids, [1]: position_ids
-        for name, arr in (("input_ids", self._ids[0]), ("position_ids", self._ids[1]),
+    def _bind(self, cache: KVCache, t: int, n: int) -> _Binding:
+        """Bind every tensor for T input tokens and N kept logits."""
+        s = self.spec
+        row = (1, s.num_kv_heads, t, s.head_dim)
+        b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
+                     logits=np.zeros((1, n, s.vocab_size), np.float32),
+                     presents=np.zeros((2 * s.num_layers, *row), np.float32))
+        for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
                           ("past_length", self._past_length), ("logits_to_keep", self._keep)):
-            b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+            b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
         for i in range(s.num_layers):
             for name, buf in ((self._inputs[4 + 2 * i], cache.keys[i]),
                               (self._inputs[5 + 2 * i], cache.values[i])):
-                b.bind_input(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
-        self._logits = np.zeros((1, n, s.vocab_size), np.float32)
-        b.bind_output("logits", "cpu", 0, np.float32, list(self._logits.shape),
-                      self._logits.ctypes.data)
-        row = (1, s.num_kv_heads, t, s.head_dim)
-        self._scratch = np.zeros((2 * s.num_layers, *row), np.float32)
+                b.io.bind_input(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+        b.io.bind_output("logits", "cpu", 0, np.float32, list(b.logits.shape),
+                         b.logits.ctypes.data)
         for j, name in enumerate(self._outputs[1:]):
-            b.bind_output(name, "cpu", 0, np.float32, list(row), self._scratch[j].ctypes.data)
-        self._bound = (cache, t, n)  # holds the cache, so its buffers outlive the binding
+            b.io.bind_output(name, "cpu", 0, np.float32, list(row), b.presents[j].ctypes.data)
+        return b
 
     def forward(self, cache: KVCache, token_ids: list[int] | np.ndarray,
                 logits_to_keep: int = 1) -> np.ndarray:
         """Run T tokens; returns logits [logits_to_keep, vocab] (a view, valid until the next
-        call) and appends their K/V rows to `cache`."""
+        call with the same T and logits_to_keep) and appends their K/V rows to `cache`."""
         t = len(token_ids)
         if t == 0 or not 1 <= logits_to_keep <= t:
             raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
         if cache.length + t > cache.capacity:
             raise ValueError(f"KV cache full: {cache.length + t} rows, capacity "
                              f"{cache.capacity}")
-        bound = self._bound
-        if bound is None or bound[0] is not cache or bound[1:] != (t, logits_to_keep):
-            self._bind(cache, t, logits_to_keep)
-        self._ids[0, 0] = token_ids
-        self._ids[1, 0] = np.arange(cache.length, cache.length + t)
+        if self._cache is not cache:
+            self._cache, self._bindings = cache, {}
+        key = (t, logits_to_keep)
+        b = self._bindings.get(key)
+        if b is None:
+            b = self._bind(cache, t, logits_to_keep)
+            if t <= MAX_KEPT_T:  # decode shapes recur; a prefill's length rarely does
+                self._bindings[key] = b
+        b.ids[0, 0] = token_ids
+        b.ids[1, 0] = np.arange(cache.length, cache.length + t)
         self._past_length[0] = cache.length
         self._keep[0] = logits_to_keep
         t0 = time.perf_counter()
-        self.session.run_with_iobinding(self._binding)
+        self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
-        cache.write(list(self._scratch[0::2]), list(self._scratch[1::2]))
-        return self._logits[0]
+        cache.write(list(b.presents[0::2]), list(b.presents[1::2]))
+        return b.logits[0]
 
 
 def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:

@@ -3,8 +3,10 @@
 `start(prompt, capacity)` begins a generation (a model drafter prefills the prompt).
 `propose` returns (token ids, q) where q is [k, vocab] processed draft probabilities, or None
 when q is one-hot (greedy drafting, or a model-free drafter: DESIGN step 6). A `threshold`
-> 0 stops drafting at the first token whose draft probability q(x) is below it: a token the
-draft itself doubts is likely rejected, and every draft token after a rejection is wasted.
+> 0 stops drafting after the first token whose draft probability q(x) is below it: the
+tokens after a doubtful one are likely wasted. The doubtful token itself is kept: dropping a
+token because of its own value would make the proposal differ from q, and the acceptance
+test would no longer be exact when sampling.
 `rollback(n)` tells the drafter that only the first n context tokens are still valid.
 `calls` counts the drafter's forward calls, for the cost ratio c.
 """
@@ -47,16 +49,15 @@ class ModelDrafter:
             logits = self.backend.forward(self.cache, feed, 1)[-1]
             self.calls += 1
             if sampling.greedy:
-                x = int(np.argmax(logits))
-                if threshold and 1.0 / np.exp(logits - logits[x]).sum() < threshold:
-                    break  # q(x) = 1 / sum_j exp(l_j - l_x) for the argmax x
+                x = sampling.pick(logits, rng)
+                q_x = 1.0 / np.exp(logits - logits[x]).sum()  # softmax at the argmax
             else:
-                q = sampling.probs(logits)
-                x = sample(q, rng)
-                if threshold and q[x] < threshold:
-                    break
-                qs.append(q)
+                qs.append(sampling.probs(logits))
+                x = sample(qs[-1], rng)
+                q_x = qs[-1][x]
             ids.append(x)
+            if q_x < threshold:
+                break
             feed = [x]
         return ids, (np.stack(qs) if qs else None)
 

@@ -63,10 +63,10 @@ class Generator:
         draft = load_backend(backend, bundle.draft, threads) if bundle.draft else None
         return cls(bundle, target, draft, TextCodec(bundle))
 
-    @property
-    def max_context(self) -> int:
+    def max_context(self, drafter=None) -> int:
+        """Largest prompt + new tokens: the target's context, and the draft's if it runs."""
         limits = [self.bundle.target.max_context]
-        if self.bundle.draft:
+        if isinstance(drafter, ModelDrafter):
             limits.append(self.bundle.draft.max_context)
         return min(limits)
 
@@ -88,20 +88,23 @@ class Generator:
 
         Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
         `prompt_ids` or `messages`. `temperature=0` is greedy; `draft_tokens` is K, or
-        "auto" to pick K as generation runs; `draft_threshold` stops drafting early when
-        the draft's probability for its own token falls below it; `use_draft=False` is
-        plain target-only decoding in the same loop.
+        "auto" to pick K as generation runs (K then follows measured times, so a seed fixes
+        the distribution but not the exact sampled text); `draft_threshold` stops drafting
+        after a token whose draft probability is below it; `use_draft=False` is plain
+        target-only decoding in the same loop. With a stop string, `token_ids` ends with the
+        token that completes the text.
         """
         ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         k_max, auto = check_draft_tokens(draft_tokens)
         threshold = check_threshold(draft_threshold)
         sampling = Sampling(temperature, top_k, top_p)
-        if len(ids) + max_new_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds the bundle's context of {self.max_context} tokens; "
-                             "shorten the prompt or lower max_new_tokens")
         proposer = self._drafter(check_drafter(drafter)) if use_draft else None
+        context_limit = self.max_context(proposer)
+        if len(ids) + max_new_tokens > context_limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the bundle's context of {context_limit} tokens; "
+                             "shorten the prompt or lower max_new_tokens")
         stops = check_stop(stop)
         rng = np.random.default_rng(check_seed(seed))
 
@@ -109,8 +112,9 @@ class Generator:
         tokens: list[int] = []
         reason = "max_new_tokens"
         text = ""
-        chunks = self._decode(ids, max_new_tokens, sampling, k_max if proposer else 0, auto,
-                              threshold, proposer, rng, clock)
+        chunks = self._decode(ids, max_new_tokens, sampling, k_max if proposer else 0,
+                              auto and proposer is not None, threshold, proposer, rng, clock,
+                              context_limit)
         eos = set(self.bundle.eos_token_ids)
 
         def accepted() -> Iterator[list[int]]:
@@ -144,6 +148,10 @@ class Generator:
         if emitted < len(text):
             yield text[emitted:]
         chunks.close()
+        if reason == "stop_string":
+            # The last chunk may run past the stop string: keep the tokens the text needs.
+            while tokens and len(self.codec.decode(tokens[:-1])) >= len(text):
+                tokens.pop()
         clock.finish()
         stats = summarize(clock, len(tokens), ("auto" if auto else k_max) if proposer else 0,
                           proposer.name if proposer else "none", self.target.name, reason)
@@ -153,8 +161,8 @@ class Generator:
 
     def _decode(self, prompt: list[int], max_new: int, sampling: Sampling, k_max: int,
                 auto: bool, threshold: float, drafter, rng: np.random.Generator,
-                clock: StepClock) -> Iterator[list[int]]:
-        capacity = capacity_for(len(prompt) + max_new, self.max_context)
+                clock: StepClock, context_limit: int) -> Iterator[list[int]]:
+        capacity = capacity_for(len(prompt) + max_new, context_limit)
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         cache = self._cache

@@ -41,7 +41,11 @@ class Sampling:
     def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         """One token from one row of logits: argmax when greedy, else a draw from probs."""
         if self.greedy:
-            return int(np.argmax(logits))
+            x = int(np.argmax(logits))
+            if not np.isfinite(logits[x]):
+                raise ValueError("the model returned logits with no finite maximum (all "
+                                 "masked or NaN): check the bundle's graphs")
+            return x
         return sample(self.probs(logits), rng)
 
 

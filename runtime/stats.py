@@ -3,6 +3,11 @@
 With i.i.d. acceptance rate beta, K drafts and draft cost c (one draft call / one target
 call), the expected tokens per target call is (1 - beta^(K+1)) / (1 - beta) and the ideal
 speedup over plain decoding is (1 - beta^(K+1)) / ((1 - beta)(1 + cK)).
+
+beta is estimated as accepted / examined: a step examines draft tokens up to and including
+the first rejection; the drafts after it are never tested, so counting them (accepted /
+drafted, reported as `draft_kept_fraction`) would bias beta low. Per-position acceptance is
+likewise conditional: accepted at position i / examined at position i.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class StepClock:
         self.draft_calls = 0
         self.drafted = 0
         self.accepted = 0
+        self.examined = 0
         self.model_start = 0.0  # seconds inside the backends when decoding starts...
         self.model_end = 0.0    # ...and after the last decode step
         self.position_tries: list[int] = []
@@ -38,17 +44,20 @@ class StepClock:
             self.calls[phase] += 1
 
     def record_step(self, drafted: int, accepted: int) -> None:
-        """Position i (0-based) was tried if i < drafted and accepted if i < accepted."""
+        """Positions 0 .. min(drafted, accepted + 1) - 1 were examined, the first `accepted`
+        of them accepted."""
+        examined = min(drafted, accepted + 1)
         grow = drafted - len(self.position_tries)
         if grow > 0:
             self.position_tries += [0] * grow
             self.position_accepts += [0] * grow
-        for i in range(drafted):
+        for i in range(examined):
             self.position_tries[i] += 1
         for i in range(accepted):
             self.position_accepts[i] += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.examined += examined
 
     def finish(self) -> None:
         self.end = time.perf_counter()
@@ -73,7 +82,7 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
     total = clock.end - clock.start
     decode = total - s["prefill"]
     target_calls = clock.calls["target"]
-    beta = clock.accepted / clock.drafted if clock.drafted else 0.0
+    beta = clock.accepted / clock.examined if clock.examined else 0.0
     target_step = s["target"] / target_calls if target_calls else 0.0
     draft_step = s["draft"] / clock.draft_calls if clock.draft_calls else 0.0
     c = draft_step / target_step if target_step else 0.0
@@ -92,6 +101,7 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
         "drafted_tokens": clock.drafted,
         "accepted_tokens": clock.accepted,
         "acceptance_rate": beta,
+        "draft_kept_fraction": clock.accepted / clock.drafted if clock.drafted else 0.0,
         "acceptance_per_position": [a / t if t else 0.0 for a, t in
                                     zip(clock.position_accepts, clock.position_tries)],
         "position_tries": list(clock.position_tries),
@@ -110,6 +120,7 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
         "tokens_per_second": tokens / total if total > 0 else 0.0,
         "decode_tokens_per_second": (tokens - 1) / decode if decode > 0 else 0.0,
         "draft_cost_ratio_c": c,
-        "ideal_speedup": ideal_speedup(beta, k if isinstance(k, int) else mean_k, c)
-        if k else 1.0,
+        # K in the formula is the mean drafted per call: a threshold, prompt lookup or the
+        # end of the budget draft fewer than the K asked for.
+        "ideal_speedup": ideal_speedup(beta, mean_k, c) if k else 1.0,
     }

@@ -54,7 +54,8 @@ def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0),
-                                      dict(temperature=0.7, top_k=8, top_p=0.9)])
+                                      dict(temperature=0.7, top_k=8, top_p=0.9),
+                                      dict(temperature=1.0, draft_threshold=0.3)])
 def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
     """Two-sample chi-square on the joint of the first two generated tokens.
 
@@ -181,13 +182,33 @@ def test_adaptive_drafting_stays_exact(gen, setting):
     assert s["mean_draft_tokens"] == pytest.approx(s["drafted_tokens"] / s["target_calls"])
 
 
+def test_auto_without_a_drafter_is_plain_decoding(gen):
+    plain = gen.generate("hello", raw=True, max_new_tokens=20, use_draft=False)
+    auto = gen.generate("hello", raw=True, max_new_tokens=20, use_draft=False,
+                        draft_tokens="auto")
+    assert auto.token_ids == plain.token_ids and auto.stats["draft_calls"] == 0
+
+
+def test_acceptance_counts_only_examined_drafts():
+    """beta = accepted / examined: drafts after the first rejection are never tested."""
+    from specedge.runtime.stats import StepClock
+
+    clock = StepClock()
+    clock.record_step(drafted=4, accepted=1)   # examined 2 (accept, reject)
+    clock.record_step(drafted=4, accepted=4)   # examined 4
+    clock.record_step(drafted=2, accepted=0)   # examined 1
+    assert (clock.accepted, clock.examined, clock.drafted) == (5, 7, 10)
+    assert clock.position_tries == [3, 2, 1, 1]
+    assert clock.position_accepts == [2, 1, 1, 1]
+
+
 def test_auto_k_reads_the_measured_acceptance_and_cost():
     from specedge.runtime.draft_length import auto_k
     from specedge.runtime.stats import StepClock
 
     clock = StepClock()
     assert 1 <= auto_k(clock) <= 8  # the prior alone
-    clock.drafted, clock.accepted = 400, 390
+    clock.examined, clock.accepted = 400, 390
     clock.draft_calls, clock.calls["target"] = 400, 100
     clock.seconds["draft"], clock.seconds["target"] = 0.4, 10.0   # c = 0.01
     assert auto_k(clock) == 8
