@@ -59,7 +59,8 @@ def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: 
 
 def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens: int,
                   threads: int) -> dict:
-    """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, decode time only."""
+    """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, timed end to end
+    (prompt evaluation included) like the other systems."""
     if importlib.util.find_spec("llama_cpp") is None:
         return {"llama.cpp plain": {"skipped": "llama-cpp-python not installed"}}
     if gguf is None:
@@ -72,11 +73,10 @@ def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens
     tokens, seconds = 0, 0.0
     for ids in prompt_ids:
         llm.reset()
-        stream = llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)
-        next(stream)  # the first token comes with the prompt evaluation: not decode time
         t0 = time.perf_counter()
-        for n, _ in enumerate(stream, start=1):
-            if n >= max_new_tokens - 1:
+        for n, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True),
+                              start=1):
+            if n >= max_new_tokens:
                 break
         seconds += time.perf_counter() - t0
         tokens += n
