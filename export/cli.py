@@ -31,7 +31,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"{manifest['precision']} target vs fp32: greedy agreement "
               f"{q['greedy_agreement']:.0%} over {q['greedy_steps']} steps, perplexity "
               f"{q['perplexity_fp32']:.2f} -> {q['perplexity']:.2f} "
-              f"({q['perplexity_change']:+.1%})", file=sys.stderr)
+              f"({q['perplexity_change']:+.1%}); max logit difference "
+              f"{q.get('batch_max_logit_diff', 0):.1e} between a 4-token call and 4 steps"
+              + ("" if q.get("batch_invariant", True) else " (not batch invariant: greedy "
+                 "speculative output can part from plain decoding at near ties)"),
+              file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
     print(json.dumps({"bundle": args.out, "models": models}))
 

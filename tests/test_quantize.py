@@ -47,6 +47,7 @@ def test_report_measures_the_change(quantized):
     report = manifest["quantization"]
     assert 0.0 <= report["greedy_agreement"] <= 1.0 and report["greedy_steps"] == 64
     assert report["perplexity_fp32"] > 1 and report["perplexity"] > 1
+    assert report["batch_invariant"] == (report["batch_max_logit_diff"] <= 1e-3)
     assert report["perplexity_change"] == pytest.approx(
         report["perplexity"] / report["perplexity_fp32"] - 1)
     assert json.loads((out / "manifest.json").read_text())["precision"] == precision
