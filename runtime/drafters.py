@@ -50,7 +50,8 @@ class ModelDrafter:
             self.calls += 1
             if sampling.greedy:
                 x = sampling.pick(logits, rng)
-                q_x = 1.0 / np.exp(logits - logits[x]).sum()  # softmax at the argmax
+                # q(x) at the argmax is 1 / sum_j exp(l_j - l_x); only needed for a threshold.
+                q_x = 1.0 / np.exp(logits - logits[x]).sum() if threshold else 1.0
             else:
                 qs.append(sampling.probs(logits))
                 x = sample(qs[-1], rng)
