@@ -150,6 +150,20 @@ def _mask_top_k(rows: np.ndarray, k: int) -> np.ndarray:
 
 
 def _mask_top_p(rows: np.ndarray, top_p: float) -> np.ndarray:
+    """HF top-p; mostly masked rows (a draft head over part of the vocabulary, or after
+    top-k) are first compacted to their unmasked entries, in vocabulary order, since
+    ``np.partition`` is ~10x slower on the long run of equal ``-inf`` values."""
+    unmasked = rows > -np.inf
+    if unmasked.sum(axis=-1).max() > rows.shape[-1] // 2:
+        return _mask_top_p_dense(rows, top_p)
+    cand, rr, cc, pos = _compact(rows, unmasked)
+    kept = _mask_top_p_dense(cand, top_p)
+    out = np.full(rows.shape, -np.inf, dtype=rows.dtype)
+    out[rr, cc] = kept[rr, pos]
+    return out
+
+
+def _mask_top_p_dense(rows: np.ndarray, top_p: float) -> np.ndarray:
     """HF top-p on ``rows`` (already temperature-scaled and top-k-masked).
 
     HF sorts ascending and drops token ``j`` when ``c_asc(j) <= 1 - top_p``, keeping at

@@ -243,6 +243,16 @@ def test_mostly_masked_rows():
         want = hf_reference(logits, 0.9, top_k, top_p)
         np.testing.assert_array_equal(got > 0, want > 0)
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+    # A distilled draft's head: a sixth of the vocabulary, rounded logits (ties), top-p only.
+    head = np.full((2, 6000), -np.inf)
+    for row in range(2):
+        cols = rng.choice(6000, size=1000, replace=False)
+        head[row, cols] = np.round(rng.normal(size=1000) * 3)
+    for top_p in (0.3, 0.9, 0.99):
+        got = process_logits(head, 0.7, top_p=top_p)
+        want = hf_reference(head, 0.7, 0, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
 
 
 def test_all_masked_row_raises():
