@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 
 from specedge.runtime.backends import OrtCpuBackend
-from specedge.runtime.bundle import ModelSpec
+
+from .verify import graph_backend
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZE = 32
@@ -66,11 +67,6 @@ def quantize_graph(path: Path, precision: str) -> None:
     onnx.save(model, str(path))
 
 
-def _backend(path: Path, dims: dict) -> OrtCpuBackend:
-    return OrtCpuBackend(ModelSpec(path=path, dtype="float32",
-                                   file_size=path.stat().st_size, **dims))
-
-
 def _nll(backend: OrtCpuBackend, ids: list[int]) -> float:
     """Mean negative log-likelihood of ids[1:] given the prefix (one prefill call)."""
     logits = backend.forward(backend.new_cache(len(ids)), ids, len(ids)).astype(np.float64)
@@ -96,7 +92,7 @@ def batch_difference(backend: OrtCpuBackend, ids: list[int], t: int = 4) -> floa
 def quantization_report(reference: Path, quantized: Path, dims: dict, prompt_ids: list[int],
                         text_ids: list[int], steps: int = 64) -> dict:
     """Greedy agreement and perplexity of `quantized` against the fp32 `reference`."""
-    ref, quant = _backend(reference, dims), _backend(quantized, dims)
+    ref, quant = graph_backend(reference, dims), graph_backend(quantized, dims)
     ref_cache, quant_cache = ref.new_cache(len(prompt_ids) + steps), \
         quant.new_cache(len(prompt_ids) + steps)
     feed, agree = prompt_ids, 0

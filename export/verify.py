@@ -20,13 +20,16 @@ from .graph import model_dims
 DEFAULT_ATOL = 1e-3
 
 
+def graph_backend(path: Path, dims: dict) -> OrtCpuBackend:
+    """An ort-cpu backend on a graph that is not in a bundle yet (dims: model_dims)."""
+    return OrtCpuBackend(ModelSpec(path=Path(path), dtype="float32",
+                                   file_size=Path(path).stat().st_size, **dims))
+
+
 def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps: int = 32,
                  atol: float = DEFAULT_ATOL) -> dict:
     """Compare graph and model; returns a report dict with `ok`."""
-    dims = model_dims(model)
-    spec = ModelSpec(path=Path(onnx_path), dtype="float32",
-                     file_size=Path(onnx_path).stat().st_size, **dims)
-    backend = OrtCpuBackend(spec)
+    backend = graph_backend(onnx_path, model_dims(model))
     cache = backend.new_cache(len(prompt_ids) + steps)
 
     # A distilled draft only scores its head tokens (the graph gives the rest -inf).

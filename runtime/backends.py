@@ -7,7 +7,6 @@ cache, return logits for the last `logits_to_keep` positions. Backends are chose
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import numpy as np
 from .bundle import ModelSpec, graph_io
 from .errors import BackendUnavailableError, BundleError
 from .kv_cache import KVCache
+from .params import check_threads
 
 BACKENDS = ("ort-cpu",)
 MAX_KEPT_T = 16
@@ -29,6 +29,8 @@ class _Binding:
     ids: np.ndarray       # [2, 1, T]: input_ids, position_ids
     logits: np.ndarray    # [1, N, vocab]
     presents: np.ndarray  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
+    new_keys: list[np.ndarray]
+    new_values: list[np.ndarray]
 
 
 class OrtCpuBackend:
@@ -72,9 +74,10 @@ class OrtCpuBackend:
         """Bind every tensor for T input tokens and N kept logits."""
         s = self.spec
         row = (1, s.num_kv_heads, t, s.head_dim)
+        presents = np.zeros((2 * s.num_layers, *row), np.float32)
         b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
-                     logits=np.zeros((1, n, s.vocab_size), np.float32),
-                     presents=np.zeros((2 * s.num_layers, *row), np.float32))
+                     logits=np.zeros((1, n, s.vocab_size), np.float32), presents=presents,
+                     new_keys=list(presents[0::2]), new_values=list(presents[1::2]))
         for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
                           ("past_length", self._past_length), ("logits_to_keep", self._keep)):
             b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
@@ -113,7 +116,7 @@ class OrtCpuBackend:
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
-        cache.write(list(b.presents[0::2]), list(b.presents[1::2]))
+        cache.write(b.new_keys, b.new_values)
         return b.logits[0]
 
 
@@ -131,15 +134,6 @@ def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
             raise BundleError(f"{spec.path} has {field} {graph_value} but the manifest says "
                               f"{manifest_value}: the manifest does not describe this graph; "
                               "re-export the bundle")
-
-
-def check_threads(threads: int | None) -> int | None:
-    limit = 4 * (os.cpu_count() or 1)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or not 1 <= threads <= limit):
-        raise ValueError(f"threads must be an integer in [1, {limit}] (or None for all "
-                         f"cores), got {threads!r}")
-    return threads
 
 
 def load_backend(name: str, spec: ModelSpec, threads: int | None = None) -> OrtCpuBackend:

@@ -107,14 +107,15 @@ class Generator:
                              "shorten the prompt or lower max_new_tokens")
         stops = check_stop(stop)
         rng = np.random.default_rng(check_seed(seed))
+        if proposer is None:
+            k_max, auto = 0, False
 
         clock = StepClock()
         tokens: list[int] = []
         reason = "max_new_tokens"
         text = ""
-        chunks = self._decode(ids, max_new_tokens, sampling, k_max if proposer else 0,
-                              auto and proposer is not None, threshold, proposer, rng, clock,
-                              context_limit)
+        chunks = self._decode(ids, max_new_tokens, sampling, k_max, auto, threshold, proposer,
+                              rng, clock)
         eos = set(self.bundle.eos_token_ids)
 
         def accepted() -> Iterator[list[int]]:
@@ -153,7 +154,7 @@ class Generator:
             while tokens and len(self.codec.decode(tokens[:-1])) >= len(text):
                 tokens.pop()
         clock.finish()
-        stats = summarize(clock, len(tokens), ("auto" if auto else k_max) if proposer else 0,
+        stats = summarize(clock, len(tokens), "auto" if auto else k_max,
                           proposer.name if proposer else "none", self.target.name, reason)
         self.last_result = GenerationResult(text, tokens, stats, reason)
 
@@ -161,8 +162,8 @@ class Generator:
 
     def _decode(self, prompt: list[int], max_new: int, sampling: Sampling, k_max: int,
                 auto: bool, threshold: float, drafter, rng: np.random.Generator,
-                clock: StepClock, context_limit: int) -> Iterator[list[int]]:
-        capacity = capacity_for(len(prompt) + max_new, context_limit)
+                clock: StepClock) -> Iterator[list[int]]:
+        capacity = capacity_for(len(prompt) + max_new, self.max_context(drafter))
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         cache = self._cache

@@ -4,6 +4,7 @@ value and the allowed range."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,3 +108,12 @@ def check_token_ids(ids: object, vocab_size: int) -> list[int]:
     if bad:
         raise ValueError(f"prompt_ids must be in [0, {vocab_size}), got {bad[:5]}")
     return [int(i) for i in ids]
+
+
+def check_threads(threads: int | None) -> int | None:
+    limit = 4 * (os.cpu_count() or 1)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= limit):
+        raise ValueError(f"threads must be an integer in [1, {limit}] (or None for all "
+                         f"cores), got {threads!r}")
+    return threads
