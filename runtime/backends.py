@@ -9,16 +9,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from .bundle import ModelSpec, graph_io
+from .bundle import Bundle, ModelSpec, graph_io
 from .errors import BackendUnavailableError, BundleError
 from .kv_cache import KVCache
 from .params import check_threads
 
-BACKENDS = ("ort-cpu",)
+BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "host-emulated")
 MAX_KEPT_T = 16
+
+
+class Backend(Protocol):
+    """What the loop and the drafters use of a backend."""
+
+    name: str
+    spec: ModelSpec
+    run_seconds: float  # inside model execution, for the share of time outside models
+
+    def new_cache(self, capacity: int): ...
+
+    def forward(self, cache, token_ids: list[int] | np.ndarray,
+                logits_to_keep: int = 1) -> np.ndarray: ...
 
 
 @dataclass
@@ -45,21 +59,9 @@ class OrtCpuBackend:
     name = "ort-cpu"
 
     def __init__(self, spec: ModelSpec, threads: int | None = None):
-        import onnxruntime as ort
-
         self.spec = spec
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            options.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(spec.path), options,
-                                                providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT raises several types for unreadable graphs
-            raise BundleError(f"ONNX Runtime could not load {spec.path}: {e}; the file is "
-                              "corrupt or not an ONNX graph: re-export the bundle") from e
+        self.session = open_session(spec, threads, "CPUExecutionProvider")
         self._inputs, self._outputs = graph_io(spec.num_layers)
-        _check_graph(self.session, spec, self._inputs)
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
         self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
@@ -136,14 +138,57 @@ def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
                               "re-export the bundle")
 
 
-def load_backend(name: str, spec: ModelSpec, threads: int | None = None) -> OrtCpuBackend:
-    """The backend called `name` for one graph; ValueError for an unknown name."""
+def open_session(spec: ModelSpec, threads: int | None, provider: str):
+    """An ONNX Runtime session for one graph of a bundle, checked against the contract."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(spec.path), options, providers=[provider])
+    except Exception as e:  # ORT raises several types for unreadable graphs
+        raise BundleError(f"ONNX Runtime could not load {spec.path}: {e}; the file is "
+                          "corrupt or not an ONNX graph: re-export the bundle") from e
+    _check_graph(session, spec, graph_io(spec.num_layers)[0])
+    return session
+
+
+def load_backend(name: str, bundle: Bundle, role: str,
+                 threads: int | None = None) -> Backend:
+    """The backend called `name` for the bundle's `role` graph ("target" or "draft").
+
+    Devices are opened when asked for, so a missing GPU, driver or package is a
+    BackendUnavailableError that names what to install, or 'ort-cpu' as what works.
+    "host-emulated" is the device backend's own code on host memory and ONNX Runtime CPU:
+    what CI runs in place of a GPU.
+    """
     check_threads(threads)
-    if name == "ort-cpu":
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError as e:
-            raise BackendUnavailableError("backend 'ort-cpu' needs onnxruntime: "
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        if name != "tensorrt":
+            raise BackendUnavailableError(f"backend {name!r} needs onnxruntime: "
                                           "pip install onnxruntime") from e
+    spec = getattr(bundle, role)
+    if name == "ort-cpu":
         return OrtCpuBackend(spec, threads)
-    raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+    from .device_backend import DeviceBackend
+    from .device_memory import CudaMemory, HostMemory
+    from .engines import OrtEngine, TrtEngine, import_tensorrt
+
+    if name == "host-emulated":
+        return DeviceBackend(name, spec, OrtEngine(spec, "cpu", threads), HostMemory())
+    if name == "ort-cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise BackendUnavailableError(
+            "backend 'ort-cuda' needs onnxruntime-gpu (pip uninstall onnxruntime && pip "
+            "install onnxruntime-gpu) and a CUDA GPU; backend 'ort-cpu' works without them")
+    if name == "tensorrt":
+        import_tensorrt()  # the missing package first: it is what the user must install
+    memory = CudaMemory()
+    if name == "ort-cuda":
+        return DeviceBackend(name, spec, OrtEngine(spec, "cuda"), memory)
+    return DeviceBackend(name, spec, TrtEngine(bundle, role, memory), memory)

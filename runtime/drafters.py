@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .backends import OrtCpuBackend
-from .kv_cache import KVCache
+from .backends import Backend
 from .params import Sampling
 from .sampling import sample
 
@@ -27,9 +26,9 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, backend: OrtCpuBackend):
+    def __init__(self, backend: Backend):
         self.backend = backend
-        self.cache: KVCache | None = None
+        self.cache = None
         self.calls = 0
 
     def start(self, prompt: list[int], capacity: int) -> None:

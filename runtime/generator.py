@@ -59,8 +59,8 @@ class Generator:
                     threads: int | None = None) -> Generator:
         """Load and validate a bundle folder and open its graphs on `backend`."""
         bundle = load_bundle(path)
-        target = load_backend(backend, bundle.target, threads)
-        draft = load_backend(backend, bundle.draft, threads) if bundle.draft else None
+        target = load_backend(backend, bundle, "target", threads)
+        draft = load_backend(backend, bundle, "draft", threads) if bundle.draft else None
         return cls(bundle, target, draft, TextCodec(bundle))
 
     def max_context(self, drafter=None) -> int:
