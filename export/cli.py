@@ -7,18 +7,35 @@ import json
 import sys
 
 from specedge.cli import fail
+from specedge.runtime.errors import SpecEdgeError
 
 from .bundle import export_bundle
 from .distill import DistillConfig, distill
+from .tensorrt_build import build_engines, preflight
+
+# ONNX weight precisions TensorRT can parse (int8/int4 are ONNX Runtime's MatMulNBits).
+TENSORRT_EXPORT_PRECISIONS = ("fp32", "fp16")
+
+
+def _tensorrt_preflight(args: argparse.Namespace) -> None:
+    """Before the slow export: fail now if the engines could not be built afterwards."""
+    if args.precision not in TENSORRT_EXPORT_PRECISIONS:
+        raise ValueError(f"--backend tensorrt needs --precision fp32 or fp16, got "
+                         f"{args.precision}: int8/int4 graphs use MatMulNBits, an ONNX Runtime "
+                         "operator TensorRT cannot parse")
+    preflight()
 
 
 def run(args: argparse.Namespace) -> None:
+    tensorrt = getattr(args, "backend", "onnx") == "tensorrt"
     try:
+        if tensorrt:
+            _tensorrt_preflight(args)
         manifest = export_bundle(args.model, args.out, draft=args.draft,
                                  draft_layers=args.draft_layers, max_context=args.max_context,
                                  precision=args.precision,
                                  verify=args.verify, force=args.force)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted; nothing was written")
@@ -37,7 +54,18 @@ def run(args: argparse.Namespace) -> None:
                  "speculative output can part from plain decoding at near ties)"),
               file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
-    print(json.dumps({"bundle": args.out, "models": models}))
+    out = {"bundle": args.out, "models": models}
+    if tensorrt:
+        try:
+            manifest = build_engines(args.out, force=args.force)
+        except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
+            fail(f"the bundle {args.out} was exported, but building its TensorRT engines "
+                 f"failed: {' '.join(str(e).split())}")
+        except KeyboardInterrupt:
+            fail(f"interrupted; the bundle {args.out} was exported without engines: run "
+                 f"`specedge build --bundle {args.out}`")
+        out["engines"] = {role: e["file"] for role, e in manifest["engines"].items()}
+    print(json.dumps(out))
 
 
 def run_distill(args: argparse.Namespace) -> None:

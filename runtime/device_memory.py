@@ -19,7 +19,7 @@ import ctypes
 
 import numpy as np
 
-from .errors import BackendUnavailableError
+from .gpu_info import cudart_module, gpu_identity
 
 ALIGNMENT = 256  # cudaMalloc's guarantee; the host arena keeps the same, so offsets match
 
@@ -66,28 +66,14 @@ def cuda_check(result: tuple, what: str):
     return values[0] if len(values) == 1 else tuple(values) if values else None
 
 
-def _cudart():
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError as e:
-        raise BackendUnavailableError(
-            "device memory needs cuda-python: pip install 'specedge[cuda]'; without a GPU "
-            "use backend 'ort-cpu'") from e
-    count = cudart.cudaGetDeviceCount()
-    if int(count[0]) != 0 or count[1] < 1:
-        raise BackendUnavailableError(
-            f"no usable CUDA GPU ({count[0]!r}): check the NVIDIA driver, or use backend "
-            "'ort-cpu'")
-    return cudart
-
-
 class CudaMemory:
     """Device memory and one stream through cuda-python's runtime API."""
 
     name = "cuda"
 
     def __init__(self, device: int = 0) -> None:
-        self.cudart = _cudart()
+        gpu_identity(device)  # no GPU or driver: the error says what works instead
+        self.cudart = cudart_module()
         cuda_check(self.cudart.cudaSetDevice(device), "cudaSetDevice")
         self._stream_handle = cuda_check(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.stream = int(self._stream_handle)

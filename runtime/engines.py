@@ -94,11 +94,11 @@ class TrtEngine:
         self.contexts = []
         for profile in self.spec.profiles:
             context = self.engine.create_execution_context()
-            context.set_optimization_profile_async(profile["index"], self.stream)
+            context.set_optimization_profile_async(profile.index, self.stream)
             self.contexts.append(context)
-        by_name = {p["name"]: p for p in self.spec.profiles}
-        self.max_tokens = by_name["prefill"]["tokens"][2]
-        self.max_keep = by_name["decode"]["tokens"][2]
+        by_name = {p.name: p for p in self.spec.profiles}
+        self.max_tokens = by_name["prefill"].tokens[2]
+        self.max_keep = by_name["decode"].logits_to_keep[2]
         self._host_inputs = {self.engine.get_tensor_name(i)
                              for i in range(self.engine.num_io_tensors)
                              if self.engine.is_shape_inference_io(self.engine.get_tensor_name(i))}

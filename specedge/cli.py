@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     distill_parser = sub.add_parser("distill", help="train a small draft for a target on "
                                     "text the target generates (needs the export extra)")
     add_distill_arguments(distill_parser)
+    build_parser = sub.add_parser("build", help="bundle -> TensorRT engines, on the device that "
+                                  "will run them (needs tensorrt and cuda-python, no torch)")
+    add_build_arguments(build_parser)
     bench_parser = sub.add_parser("bench", help="speculative vs plain decoding and other "
                                   "systems on a prompt set; writes JSON, markdown, plots")
     from specedge.bench.run import add_arguments as add_bench_arguments
@@ -48,6 +51,11 @@ def main(argv: list[str] | None = None) -> None:
             bench_main(args)
         except (ValueError, SpecEdgeError) as e:
             fail(str(e))
+        return
+    if args.command == "build":
+        from specedge.export.build_cli import run_build
+
+        run_build(args)
         return
     if args.command in ("export", "distill"):
         try:
@@ -73,7 +81,30 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "fastest on CPU; the export reports the quantized target's change")
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
+    p.add_argument("--backend", choices=("onnx", "tensorrt"), default="onnx",
+                   help="onnx (default): ONNX graphs only; tensorrt: then also build fp16 "
+                   "TensorRT engines for this machine's GPU (see `specedge build` for options)")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
+
+
+def add_build_arguments(p: argparse.ArgumentParser) -> None:
+    from specedge.runtime.draft_length import AUTO_MAX_K
+
+    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`; "
+                   "the engines are written into it")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32", "fp8", "int8"),
+                   default="fp16", help="engine precision (default fp16; normalisation and "
+                   "softmax stay fp32); int8/fp8 need a graph with Q/DQ nodes")
+    p.add_argument("--max-prompt", type=int, default=None,
+                   help="longest prompt in tokens (default 2048, capped at the context)")
+    p.add_argument("--max-draft-tokens", type=int, default=AUTO_MAX_K,
+                   help=f"largest K the engines verify at once (default {AUTO_MAX_K})")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="largest KV cache in tokens (default: the bundle's context)")
+    p.add_argument("--timing-cache", metavar="PATH",
+                   help="TensorRT timing cache to reuse and update (default "
+                   "BUNDLE/timing.cache)")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
 
 
 def add_distill_arguments(p: argparse.ArgumentParser) -> None:

@@ -58,3 +58,38 @@ def test_cli_generate_without_torch(tiny_bundle):
     """)
     assert r.returncode == 0, r.stderr
     assert "token_ids" in r.stdout
+
+
+# `specedge build` runs on the device, where torch is not installed: the build modules count
+# as runtime here. (Also no onnx: the device need not have it.)
+TORCH_FREE_BUILD = ["specedge.runtime.engine_manifest", "specedge.runtime.gpu_info",
+                    "specedge.export.tensorrt_build", "specedge.export.trt_builder",
+                    "specedge.export.build_cli"]
+
+
+def test_build_modules_without_torch():
+    r = _run(f"""
+        import importlib, json, sys
+        for name in {TORCH_FREE_BUILD!r}:
+            importlib.import_module(name)
+        loaded = sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("torch", "transformers", "onnx", "tensorrt"))
+        print(json.dumps(loaded))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_cli_build_without_torch(tiny_bundle):
+    """Without TensorRT it stops with the pip hint, and never reaches for torch."""
+    r = _run(f"""
+        import sys
+        sys.modules["tensorrt"] = None  # as on a machine without TensorRT
+        from specedge.cli import main
+        sys.argv = ["specedge", "build", "--bundle", {str(tiny_bundle)!r}]
+        main()
+    """)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("specedge: error: TensorRT is not installed: pip install "
+                                "tensorrt (on Jetson it comes with JetPack); the ort-cpu "
+                                "backend works without it")
