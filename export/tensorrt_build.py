@@ -34,7 +34,7 @@ from specedge.runtime.engine_manifest import (
     profile_shapes,
     profile_summary,
 )
-from specedge.runtime.errors import BackendUnavailableError
+from specedge.runtime.engines import import_tensorrt
 
 DEFAULT_MAX_PROMPT = 2048
 DEFAULT_MAX_DRAFT_TOKENS = AUTO_MAX_K  # `--draft-tokens auto` goes up to this
@@ -187,21 +187,10 @@ def is_up_to_date(entry: object, plan: EnginePlan, gpu: tuple[str, tuple[int, in
     return same and path.is_file() and path.stat().st_size == entry.get("file_size")
 
 
-def require_tensorrt() -> ModuleType:
-    """The tensorrt module, or BackendUnavailableError saying how to get it."""
-    try:
-        import tensorrt
-    except ImportError:
-        raise BackendUnavailableError(
-            "TensorRT is not installed: pip install tensorrt (on Jetson it comes with "
-            "JetPack); the ort-cpu backend works without it") from None
-    return tensorrt
-
-
 def preflight(precision: str = "fp16") -> tuple[ModuleType, tuple[str, tuple[int, int]]]:
     """Everything about the machine a build needs, checked in seconds: (tensorrt, gpu)."""
     check_precision(precision)
-    trt = require_tensorrt()
+    trt = import_tensorrt()
     gpu = gpu_identity()
     check_precision_supported(precision, gpu)
     return trt, gpu

@@ -64,12 +64,13 @@ class OrtEngine:
 
 
 def import_tensorrt():
+    """The tensorrt module, or BackendUnavailableError saying how to get it."""
     try:
         import tensorrt as trt
-    except ImportError as e:
+    except ImportError:
         raise BackendUnavailableError(
-            "backend 'tensorrt' needs TensorRT: pip install tensorrt (on Jetson it comes "
-            "with JetPack); backend 'ort-cpu' works without it") from e
+            "TensorRT is not installed: pip install tensorrt (on Jetson it comes with "
+            "JetPack); the ort-cpu backend works without it") from None
     return trt
 
 
@@ -119,8 +120,9 @@ class TrtEngine:
             cuda_check(self._rt.cudaGraphLaunch(graph, self.stream), "cudaGraphLaunch")
             return
         for b in plan:
-            if not b.output:
-                context.set_input_shape(b.name, b.shape)
+            if not b.output and not context.set_input_shape(b.name, b.shape):
+                raise RuntimeError(f"{self.spec.path.name} refused input {b.name} of shape "
+                                   f"{b.shape}; rebuild with `specedge build`")
             # Shape tensors (logits_to_keep feeds a Slice) are read from host memory.
             address = (host_values[b.name].ctypes.data if b.name in self._host_inputs
                        else b.address)

@@ -195,7 +195,7 @@ def test_missing_tensorrt_names_the_package_and_the_working_backend(bundle, monk
     import sys
 
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails as if absent
-    with pytest.raises(BackendUnavailableError, match=r"pip install tensorrt.*'ort-cpu'"):
+    with pytest.raises(BackendUnavailableError, match=r"pip install tensorrt.*ort-cpu"):
         load_backend("tensorrt", bundle, "target")
 
 

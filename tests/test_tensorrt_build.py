@@ -421,7 +421,7 @@ def fake_trt(monkeypatch) -> list[EnginePlan]:
         cache.write_bytes(b"timing")
         return ["logits_to_keep"]
 
-    monkeypatch.setattr(tensorrt_build, "require_tensorrt",
+    monkeypatch.setattr(tensorrt_build, "import_tensorrt",
                         lambda: types.SimpleNamespace(__version__=TRT_VERSION))
     monkeypatch.setattr(tensorrt_build, "gpu_identity", lambda: GPU)
     monkeypatch.setattr(trt_builder, "build_engine", build_engine)
@@ -457,7 +457,7 @@ def test_build_writes_engines_and_manifest(bundle, fake_trt, capsys):
 
 def test_build_rebuilds_for_another_gpu_or_tensorrt(bundle, fake_trt, monkeypatch):
     build_engines(bundle)
-    monkeypatch.setattr(tensorrt_build, "require_tensorrt",
+    monkeypatch.setattr(tensorrt_build, "import_tensorrt",
                         lambda: types.SimpleNamespace(__version__="10.9.0"))
     build_engines(bundle)
     assert len(fake_trt) == 4
