@@ -8,6 +8,7 @@ cache, return logits for the last `logits_to_keep` positions. Backends are chose
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -178,10 +179,13 @@ def load_backend(name: str, bundle: Bundle, role: str,
         return OrtCpuBackend(spec, threads)
     from .device_backend import DeviceBackend
     from .device_memory import CudaMemory, HostMemory
+    from .device_sampling import HostSampler
     from .engines import OrtEngine, TrtEngine, import_tensorrt
 
     if name == "host-emulated":
-        return DeviceBackend(name, spec, OrtEngine(spec, "cpu", threads), HostMemory())
+        memory = HostMemory()
+        return DeviceBackend(name, spec, OrtEngine(spec, "cpu", threads), memory,
+                             HostSampler(memory))
     if name == "ort-cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         raise BackendUnavailableError(
             "backend 'ort-cuda' needs onnxruntime-gpu (pip uninstall onnxruntime && pip "
@@ -189,6 +193,17 @@ def load_backend(name: str, bundle: Bundle, role: str,
     if name == "tensorrt":
         import_tensorrt()  # the missing package first: it is what the user must install
     memory = CudaMemory()
-    if name == "ort-cuda":
-        return DeviceBackend(name, spec, OrtEngine(spec, "cuda"), memory)
-    return DeviceBackend(name, spec, TrtEngine(bundle, role, memory), memory)
+    engine = OrtEngine(spec, "cuda") if name == "ort-cuda" else TrtEngine(bundle, role, memory)
+    return DeviceBackend(name, spec, engine, memory, _device_sampler(memory))
+
+
+def _device_sampler(memory):
+    """NVRTC sampling kernels on `memory`'s device, or None (sampling on the host) when
+    NVRTC cannot be loaded: the host path is the fallback, with a warning saying why."""
+    from .device_sampling import DeviceSampler
+
+    try:
+        return DeviceSampler(memory)
+    except BackendUnavailableError as e:
+        warnings.warn(f"sampling on the host: {e}", stacklevel=3)
+        return None

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .backends import BACKENDS
 from .errors import SpecEdgeError
 from .params import DRAFTERS
 
@@ -27,7 +28,10 @@ def add_generate(sub) -> None:
                    "this (0 = off)")
     p.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
-    p.add_argument("--backend", default="ort-cpu")
+    p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
+                   help="ort-cpu (default); ort-cuda and tensorrt need a GPU (tensorrt: "
+                   "engines from `specedge build`); host-emulated runs the GPU backends' "
+                   "code on the CPU, for testing")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding on the same prompt and print the speedup")

@@ -6,7 +6,8 @@ One call of T tokens, in order (DESIGN "KV-cache rules"):
     2. engine.execute: the graph reads cache rows [0, past_length), writes logits and the
        T new K/V rows into the arena's `presents` (plan: binding_plan)
     3. cache.write(T): strided copies of those rows to [length, length + T)
-    4. download the kept logits (host sampling; the only device -> host copy of a step)
+    4. download the kept logits (host sampling; the only device -> host copy of a step), or,
+       with `sampler` set (token_choice.DeviceChoice), leave them where they are
 Prompts longer than the engine's `max_tokens` are prefilled in chunks, which the graph
 supports as is: a chunk is a call with past_length > 0.
 """
@@ -52,8 +53,9 @@ def binding_plan(spec: ModelSpec, cache: DeviceKVCache, t: int,
 class DeviceBackend:
     """A graph on an engine over device memory; same interface as OrtCpuBackend."""
 
-    def __init__(self, name: str, spec: ModelSpec, engine, memory):
+    def __init__(self, name: str, spec: ModelSpec, engine, memory, sampler=None):
         self.name, self.spec, self.engine, self.memory = name, spec, engine, memory
+        self.sampler = sampler  # device_sampling.DeviceSampler / HostSampler, or None
         self.run_seconds = 0.0
         self._cache: DeviceKVCache | None = None
         self._plans: dict[tuple[int, int], list[TensorBinding]] = {}
@@ -69,6 +71,14 @@ class DeviceBackend:
                 logits_to_keep: int = 1) -> np.ndarray:
         """Run T tokens; returns logits [logits_to_keep, vocab] (a view, valid until the next
         call) and appends their K/V rows to `cache`."""
+        self.forward_rows(cache, token_ids, logits_to_keep)
+        out = self._logits[:logits_to_keep]
+        self.memory.download(cache.address("logits"), out)
+        return out
+
+    def forward_rows(self, cache: DeviceKVCache, token_ids: list[int] | np.ndarray,
+                     logits_to_keep: int = 1) -> int:
+        """`forward` without the download: the logits stay at cache.address("logits")."""
         ids = np.asarray(token_ids, np.int64).reshape(-1)
         t = ids.size
         if t == 0 or not 1 <= logits_to_keep <= t:
@@ -88,9 +98,10 @@ class DeviceBackend:
         last = max(0, t - max(logits_to_keep, (t - 1) % step + 1))
         for start in range(0, last, step):
             self._step(cache, ids[start:min(start + step, last)], 1)
-        return self._step(cache, ids[last:], logits_to_keep)
+        self._step(cache, ids[last:], logits_to_keep)
+        return cache.address("logits")
 
-    def _step(self, cache: DeviceKVCache, ids: np.ndarray, n: int) -> np.ndarray:
+    def _step(self, cache: DeviceKVCache, ids: np.ndarray, n: int) -> None:
         t, mt = ids.size, cache.max_tokens
         s = self._staging
         s[:t] = ids
@@ -108,6 +119,3 @@ class DeviceBackend:
         self.memory.synchronize()
         self.run_seconds += time.perf_counter() - t0
         cache.write(t)
-        out = self._logits[:n]
-        self.memory.download(cache.address("logits"), out)
-        return out

@@ -38,6 +38,7 @@ def arena_layout(spec: ModelSpec, capacity: int, max_tokens: int,
                                            past_length, logits_to_keep: one upload a step
     presents: [2 * layers, kv_heads, max_tokens, head_dim]  new rows of one call
     logits:   float32 [max_keep, vocab]
+    probs:    float32 [max_keep, vocab]                     processed rows (device sampling)
     """
     if not 1 <= max_keep <= max_tokens <= capacity:
         raise ValueError(f"need 1 <= max_keep ({max_keep}) <= max_tokens ({max_tokens}) <= "
@@ -49,7 +50,8 @@ def arena_layout(spec: ModelSpec, capacity: int, max_tokens: int,
         sizes += [(f"keys.{i}", head * capacity), (f"values.{i}", head * capacity)]
     sizes += [("inputs", (2 * max_tokens + 2) * 8),
               ("presents", 2 * spec.num_layers * present_stride(spec, max_tokens)),
-              ("logits", max_keep * spec.vocab_size * 4)]
+              ("logits", max_keep * spec.vocab_size * 4),
+              ("probs", max_keep * spec.vocab_size * 4)]
     layout, offset = {}, 0
     for name, nbytes in sizes:
         layout[name] = Region(offset, nbytes)

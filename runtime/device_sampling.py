@@ -30,8 +30,11 @@ import numpy as np
 
 from .device_memory import cuda_check
 from .errors import BackendUnavailableError
+from .sampling import process_logits
+from .speculative import verify_greedy
 
-__all__ = ["KERNELS", "DeviceSampler", "compile_sampling_kernels", "kernel_source"]
+__all__ = ["KERNELS", "DeviceSampler", "HostSampler", "compile_sampling_kernels",
+           "kernel_source"]
 
 KERNELS = ("process_rows", "argmax_verify", "sample_rows", "sampled_verify")
 THREADS = 1024  # block size of every launch; SPECEDGE_THREADS (launch bounds) in the .cu
@@ -309,3 +312,64 @@ class DeviceSampler:
         if not 1 <= rows <= limit or vocab < 1:
             raise ValueError(f"need 1 <= rows <= {limit} and vocab >= 1, got rows={rows}, "
                              f"vocab={vocab}")
+
+
+class HostSampler:
+    """DeviceSampler's interface and uniform layout in numpy, on any memory object.
+
+    The host-emulated backend samples through it, so the device path of the loop runs in
+    CI; scripts/gpu_check_sampling.py uses it as the kernels' token-for-token reference.
+    """
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def _rows(self, ptr: int, rows: int, vocab: int) -> np.ndarray:
+        out = np.empty((rows, vocab), np.float32)
+        self.memory.download(ptr, out)
+        return out
+
+    def process(self, logits_ptr: int, rows: int, vocab: int, sampling, probs_ptr: int) -> None:
+        probs = process_logits(self._rows(logits_ptr, rows, vocab), sampling.temperature,
+                               sampling.top_k, sampling.top_p)
+        self.memory.upload(probs_ptr, probs.astype(np.float32))
+
+    def verify_greedy(self, logits_ptr: int, draft_ids: Sequence[int],
+                      vocab: int) -> tuple[int, int]:
+        return verify_greedy(draft_ids, self._rows(logits_ptr, len(draft_ids) + 1, vocab))
+
+    def sample(self, probs_ptr: int, rows: int, vocab: int,
+               uniforms: Sequence[float]) -> list[int]:
+        probs = self._rows(probs_ptr, rows, vocab)
+        return [_inverse_cdf(p, u) for p, u in zip(probs, uniforms)]
+
+    def verify_sampled(self, p_ptr: int, q_ptr: int | None, draft_ids: Sequence[int],
+                       vocab: int, rng: np.random.Generator) -> tuple[int, int]:
+        k = len(draft_ids)
+        p = self._rows(p_ptr, k + 1, vocab).astype(np.float64)
+        q = None if q_ptr is None else self._rows(q_ptr, k, vocab).astype(np.float64)
+        return sampled_verify_reference(draft_ids, q, p, rng.random(k + 1))
+
+
+def sampled_verify_reference(draft_ids: Sequence[int], q: np.ndarray | None, p: np.ndarray,
+                             u: np.ndarray) -> tuple[int, int]:
+    """``sampled_verify``'s uniform layout: u[i] tests x_i (accept iff u_i q_i(x_i) <
+    p_i(x_i)), u[K] draws the one emitted token (residual after a rejection, else bonus)."""
+    k = len(draft_ids)
+    for i, x in enumerate(draft_ids):
+        q_x = 1.0 if q is None else q[i, x]
+        if u[i] * q_x < p[i, x]:
+            continue
+        if q is None:
+            w = p[i].copy()
+            w[x] = 0.0
+        else:
+            w = np.maximum(p[i] - q[i], 0.0)
+        return i, _inverse_cdf(w if w.sum() > 0 else p[i], u[k])
+    return k, _inverse_cdf(p[k], u[k])
+
+
+def _inverse_cdf(w: np.ndarray, u: float) -> int:
+    """First index whose cumulative weight exceeds u * total (sampling.sample's rule)."""
+    c = np.cumsum(w, dtype=np.float64)
+    return int(np.searchsorted(c, u * c[-1], side="right"))

@@ -1,10 +1,11 @@
 """Drafters propose K tokens after the context, with their probabilities q (DESIGN step 1).
 
 `start(prompt, capacity)` begins a generation (a model drafter prefills the prompt).
-`propose` returns (token ids, q) where q is [k, vocab] processed draft probabilities, or None
-when q is one-hot (greedy drafting, or a model-free drafter: DESIGN step 6). A `threshold`
-> 0 stops drafting after the first token whose draft probability q(x) is below it: the
-tokens after a doubtful one are likely wasted. The doubtful token itself is kept: dropping a
+`propose` returns (token ids, q) where q is [k, vocab] processed draft probabilities (numpy
+rows, or their device address with device sampling), or None when q is one-hot (greedy
+drafting, or a model-free drafter: DESIGN step 6). A `threshold` > 0 stops drafting after
+the first token whose draft probability q(x) is below it: the tokens after a doubtful one
+are likely wasted. The doubtful token itself is kept: dropping a
 token because of its own value would make the proposal differ from q, and the acceptance
 test would no longer be exact when sampling.
 `rollback(n)` tells the drafter that only the first n context tokens are still valid.
@@ -18,16 +19,18 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .backends import Backend
 from .params import Sampling
-from .sampling import sample
+from .token_choice import choice_for
 
 
 class ModelDrafter:
-    """A small draft model with its own KV cache, run one token at a time."""
+    """A small draft model with its own KV cache, run one token at a time; `choice` says
+    where its tokens and q rows are computed (token_choice.py)."""
 
     name = "model"
 
     def __init__(self, backend: Backend):
         self.backend = backend
+        self.choice = choice_for(backend)
         self.cache = None
         self.calls = 0
 
@@ -35,31 +38,23 @@ class ModelDrafter:
         if self.cache is None or self.cache.capacity != capacity:
             self.cache = self.backend.new_cache(capacity)
         self.cache.rollback(0)
-        self.backend.forward(self.cache, prompt, 1)
+        self.choice.run(self.backend, self.cache, prompt, 1)
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
-                rng: np.random.Generator,
-                threshold: float = 0.0) -> tuple[list[int], np.ndarray | None]:
+                rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
         # The cache holds rows for a prefix of the context; the rest (1 or 2 tokens) goes in
         # with the first draft step.
         feed = context[self.cache.length:]
-        ids, qs = [], []
+        ids, q = [], []
         for _ in range(k):
-            logits = self.backend.forward(self.cache, feed, 1)[-1]
+            rows = self.choice.run(self.backend, self.cache, feed, 1)
             self.calls += 1
-            if sampling.greedy:
-                x = sampling.pick(logits, rng)
-                # q(x) at the argmax is 1 / sum_j exp(l_j - l_x); only needed for a threshold.
-                q_x = 1.0 / np.exp(logits - logits[x]).sum() if threshold else 1.0
-            else:
-                qs.append(sampling.probs(logits))
-                x = sample(qs[-1], rng)
-                q_x = qs[-1][x]
+            x, q_x = self.choice.draw(rows, sampling, rng, q, threshold > 0)
             ids.append(x)
             if q_x < threshold:
                 break
             feed = [x]
-        return ids, (np.stack(qs) if qs else None)
+        return ids, self.choice.q(q)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(min(length, self.cache.length))

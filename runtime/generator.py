@@ -4,6 +4,7 @@ One step (DESIGN "The speculative step"):
     drafts, q = drafter.propose(context, k)            # 1. K draft tokens and q_1..q_K
     p = target([last token] + drafts)                  # 2. one call -> p_1..p_{K+1}
     n, token = verify(drafts, q, p)                    # 3-6. accept a prefix, emit one more
+                                                       #   (token_choice.py: host or device)
     rollback both caches to the n accepted rows         # KV rule: rollback = set length
 Plain decoding is the same step with k = 0, so the baseline shares every line of the loop.
 """
@@ -31,9 +32,9 @@ from .params import (
     check_threshold,
     check_token_ids,
 )
-from .speculative import verify_greedy, verify_sampled
 from .stats import StepClock, summarize
 from .text import TextCodec
+from .token_choice import HostChoice, choice_for
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Generator:
         self.last_result: GenerationResult | None = None
         self._cache: KVCache | None = None
         self._model_drafter = ModelDrafter(draft) if draft is not None else None
+        self._choice = choice_for(target)
 
     @classmethod
     def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
@@ -156,6 +158,7 @@ class Generator:
         clock.finish()
         stats = summarize(clock, len(tokens), "auto" if auto else k_max,
                           proposer.name if proposer else "none", self.target.name, reason)
+        stats["sampling_on"] = "host" if isinstance(self._choice, HostChoice) else "device"
         self.last_result = GenerationResult(text, tokens, stats, reason)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -169,12 +172,13 @@ class Generator:
         cache = self._cache
         cache.rollback(0)
 
+        choice = self._choice
         with clock.time("prefill"):
-            logits = self.target.forward(cache, prompt, 1)
+            rows = choice.run(self.target, cache, prompt, 1)
             if drafter:
                 drafter.start(prompt, capacity)
         with clock.time("sampling"):
-            token = sampling.pick(logits[-1], rng)
+            token = choice.pick(rows, sampling, rng)
         clock.model_start = self._model_seconds()
         context = [*prompt, token]
         yield [token]
@@ -189,12 +193,9 @@ class Generator:
                     drafts, q = drafter.propose(context, k, sampling, rng, threshold)
                 clock.draft_calls += drafter.calls - calls
             with clock.time("target"):
-                logits = self.target.forward(cache, [context[-1], *drafts], len(drafts) + 1)
+                rows = choice.run(self.target, cache, [context[-1], *drafts], len(drafts) + 1)
             with clock.time("sampling"):
-                if sampling.greedy:
-                    n, token = verify_greedy(drafts, logits)
-                else:
-                    n, token = verify_sampled(drafts, q, sampling.probs(logits), rng)
+                n, token = choice.verify(rows, drafts, q, sampling, rng)
             clock.record_step(len(drafts), n)
             # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
             cache.rollback(len(context) + n)

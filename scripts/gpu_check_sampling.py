@@ -35,7 +35,7 @@ from collections import Counter
 import numpy as np
 from scipy.stats import chi2_contingency, chisquare
 
-from specedge.runtime.device_sampling import THREADS, DeviceSampler
+from specedge.runtime.device_sampling import THREADS, DeviceSampler, sampled_verify_reference
 from specedge.runtime.params import Sampling
 from specedge.runtime.sampling import process_logits
 from specedge.runtime.speculative import verify_greedy, verify_sampled
@@ -262,7 +262,7 @@ def _check_verify_sampled(sampler, bufs, rng, draws, alpha, vocab, one_hot) -> d
         device[n, token] += 1
         first[x[0] if n > 0 else token] += 1
         if u is not None:
-            mismatches += _layout_reference(x, q_host, p64, u) != (n, token)
+            mismatches += sampled_verify_reference(x, q_host, p64, u) != (n, token)
     host = Counter(verify_sampled(draft(), q_host, p64, rng) for _ in range(draws))
     fit = _goodness_of_fit(first, np.flatnonzero(p64[0]), p64[0] / p64[0].sum(), alpha)
     two = _two_sample(device, host, alpha)
@@ -273,27 +273,6 @@ def _check_verify_sampled(sampler, bufs, rng, draws, alpha, vocab, one_hot) -> d
             "vocab": vocab, "k": k, "draws": draws, "first_token_vs_p1": fit,
             "two_sample_vs_host": two, "same_uniforms_vs_numpy_layout": same,
             "mean_accepted": mean_n, "timing": _timing(times)}
-
-
-def _layout_reference(draft, q, p, u) -> tuple[int, int]:
-    """sampled_verify's uniform layout in numpy: u[i] tests x_i, u[K] draws the sample."""
-    k = len(draft)
-    for i, x in enumerate(draft):
-        q_x = 1.0 if q is None else q[i, x]
-        if u[i] * q_x < p[i, x]:
-            continue
-        if q is None:
-            w = p[i].copy()
-            w[x] = 0.0
-        else:
-            w = np.maximum(p[i] - q[i], 0.0)
-        return i, _inverse_cdf(w if w.sum() > 0 else p[i], u[k])
-    return k, _inverse_cdf(p[k], u[k])
-
-
-def _inverse_cdf(w: np.ndarray, u: float) -> int:
-    c = np.cumsum(w)
-    return int(np.searchsorted(c, u * c[-1], side="right"))
 
 
 def _peek_uniforms(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -15,8 +15,9 @@ import types
 import pytest
 
 from specedge.export import tensorrt_build, trt_builder
-from specedge.runtime import Generator, device_memory, engine_manifest
+from specedge.runtime import Generator, backends, device_memory, engine_manifest
 from specedge.runtime.bundle import graph_io
+from specedge.runtime.device_sampling import HostSampler
 from specedge.runtime.errors import BundleError
 
 GPU = ("NVIDIA Jetson Orin Nano", (8, 7))
@@ -167,6 +168,7 @@ def trt_bundle(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setattr(trt_builder, "build_engine", build_engine)
     monkeypatch.setattr(engine_manifest, "gpu_identity", lambda: GPU)
     monkeypatch.setattr(device_memory, "CudaMemory", FakeCudaMemory)
+    monkeypatch.setattr(backends, "_device_sampler", HostSampler)  # kernels: gpu_check.sh
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     tensorrt_build.build_engines(bundle, precision="fp32", max_draft_tokens=4)
     return bundle, cudart, log
@@ -177,9 +179,11 @@ def trt_bundle(tiny_bundle, tmp_path, monkeypatch):
     dict(draft_tokens=3),
     dict(draft_tokens=4, temperature=0.8, top_p=0.9, seed=3),
 ])
-def test_tensorrt_backend_reproduces_ort_cpu(trt_bundle, kwargs):
+def test_tensorrt_backend_reproduces_the_emulated_device(trt_bundle, kwargs):
+    """Same logits and the same device-side choices as host-emulated: identical tokens,
+    greedy and sampled (greedy ones are also ort-cpu's, tests/test_device_backend.py)."""
     bundle, cudart, log = trt_bundle
-    ref = Generator.from_bundle(bundle)
+    ref = Generator.from_bundle(bundle, backend="host-emulated")
     gen = Generator.from_bundle(bundle, backend="tensorrt")
     ids = gen.codec.encode("the cat sat on the mat")
     assert len(ids) > 5  # longer than the decode profile (K_max + 1 = 5)
