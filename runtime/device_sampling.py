@@ -330,9 +330,15 @@ class HostSampler:
         return out
 
     def process(self, logits_ptr: int, rows: int, vocab: int, sampling, probs_ptr: int) -> None:
-        probs = process_logits(self._rows(logits_ptr, rows, vocab), sampling.temperature,
-                               sampling.top_k, sampling.top_p)
-        self.memory.upload(probs_ptr, probs.astype(np.float32))
+        """Like the kernel, an invalid row (NaN, +inf, nothing finite) becomes all NaN and
+        `sample` / `verify_sampled` raise for it."""
+        logits = self._rows(logits_ptr, rows, vocab)
+        probs = np.full(logits.shape, np.nan, np.float32)
+        valid = np.isfinite(logits.max(axis=1))  # NaN propagates through max
+        if valid.any():
+            probs[valid] = process_logits(logits[valid], sampling.temperature,
+                                          sampling.top_k, sampling.top_p)
+        self.memory.upload(probs_ptr, probs)
 
     def verify_greedy(self, logits_ptr: int, draft_ids: Sequence[int],
                       vocab: int) -> tuple[int, int]:
@@ -341,6 +347,7 @@ class HostSampler:
     def sample(self, probs_ptr: int, rows: int, vocab: int,
                uniforms: Sequence[float]) -> list[int]:
         probs = self._rows(probs_ptr, rows, vocab)
+        _check_mass(probs, "sample")
         return [_inverse_cdf(p, u) for p, u in zip(probs, uniforms)]
 
     def verify_sampled(self, p_ptr: int, q_ptr: int | None, draft_ids: Sequence[int],
@@ -348,6 +355,7 @@ class HostSampler:
         k = len(draft_ids)
         p = self._rows(p_ptr, k + 1, vocab).astype(np.float64)
         q = None if q_ptr is None else self._rows(q_ptr, k, vocab).astype(np.float64)
+        _check_mass(p, "verify_sampled")
         return sampled_verify_reference(draft_ids, q, p, rng.random(k + 1))
 
 
@@ -367,6 +375,14 @@ def sampled_verify_reference(draft_ids: Sequence[int], q: np.ndarray | None, p: 
             w = np.maximum(p[i] - q[i], 0.0)
         return i, _inverse_cdf(w if w.sum() > 0 else p[i], u[k])
     return k, _inverse_cdf(p[k], u[k])
+
+
+def _check_mass(probs: np.ndarray, what: str) -> None:
+    total = probs.sum(axis=1)
+    bad = np.flatnonzero(~(np.isfinite(total) & (total > 0))).tolist()
+    if bad:
+        raise ValueError(f"{what}: row(s) {bad} have no positive finite probability mass "
+                         "(all-masked, or NaN / +inf logits given to process)")
 
 
 def _inverse_cdf(w: np.ndarray, u: float) -> int:

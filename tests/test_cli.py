@@ -188,7 +188,7 @@ BAD_GENERATE = [
     (["--prompt", PROMPT, "--top-p", "1.5"], ["top_p", "(0, 1]", "1.5"]),
     (["--prompt", PROMPT, "--top-k", "-1"], ["top_k", ">= 0", "-1"]),
     (["--prompt", PROMPT, "--draft-tokens", "0"], ["draft_tokens", ">= 1", "got 0"]),
-    (["--prompt", PROMPT, "--backend", "nope"], ["unknown backend 'nope'", "ort-cpu"]),
+    (["--prompt", PROMPT, "--backend", "nope"], ["invalid choice: 'nope'", "ort-cpu"]),
     (["--prompt", PROMPT, "--drafter", "ngram"], ["--drafter", "invalid choice: 'ngram'"]),
     (["--prompt", PROMPT, "--max-new-tokens", "x"], ["--max-new-tokens", "invalid int"]),
     (["--prompt", PROMPT, "--temperature", "warm"], ["--temperature", "invalid float"]),

@@ -27,3 +27,37 @@ def test_gpu_check_reports_what_it_could_run(tmp_path):
     else:
         assert proc.returncode == 0, proc.stderr
         assert report["status"] == "pass"
+
+
+def _sampling_check(sampler_class):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_sampling
+
+    from specedge.runtime.device_memory import HostMemory
+
+    memory = HostMemory()
+    sampler = sampler_class(memory)
+    sampler.arch, sampler.close = "numpy", lambda: None
+    return gpu_check_sampling.run(memory, sampler=sampler, greedy_cases=20, draws=3000,
+                                  vocabs=(3000,))
+
+
+def test_the_kernel_checks_pass_on_the_numpy_twin_and_catch_a_wrong_sampler():
+    """scripts/gpu_check_sampling.py, the GPU part (a), run here against HostSampler (the
+    kernels' interface in numpy): every section must pass; a sampler that accepts drafts
+    without the u * q < p test must fail it. Sample sizes: 3000 draws per statistical
+    section, alpha 0.001, seeded (the GPU run uses 20,000 and vocabularies 49152, 128256)."""
+    from specedge.runtime.device_sampling import HostSampler
+
+    report = _sampling_check(HostSampler)
+    assert report["status"] == "pass", report
+
+    class AcceptsEverything(HostSampler):
+        def verify_sampled(self, p_ptr, q_ptr, draft_ids, vocab, rng):
+            rng.random(len(draft_ids) + 1)
+            return len(draft_ids), int(draft_ids[0]) if draft_ids else 0
+
+    broken = _sampling_check(AcceptsEverything)
+    assert broken["status"] == "fail" and not broken["verify_sampled"]["passed"]

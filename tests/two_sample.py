@@ -17,12 +17,19 @@ def first_two_tokens(gen, n: int, seed0: int, **kwargs) -> Counter:
     return pairs
 
 
-def two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
-    """Chi-square test of homogeneity; cells rarer than min_count in total are pooled."""
+def two_sample_test(a: Counter, b: Counter, min_count: int = 10) -> tuple[float, float,
+                                                                         np.ndarray]:
+    """Chi-square test of homogeneity; cells rarer than min_count in total are pooled.
+    Returns (statistic, p-value, the 2 x cells table)."""
     cells = sorted(set(a) | set(b))
     common = [c for c in cells if a[c] + b[c] >= min_count]
     rare = [c for c in cells if a[c] + b[c] < min_count]
     table = np.array([[a[c] for c in common] + [sum(a[c] for c in rare)],
                       [b[c] for c in common] + [sum(b[c] for c in rare)]])
     table = table[:, table.sum(axis=0) > 0]
-    return chi2_contingency(table)[1]
+    stat, pvalue = chi2_contingency(table)[:2]
+    return float(stat), float(pvalue), table
+
+
+def two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
+    return two_sample_test(a, b, min_count)[1]
