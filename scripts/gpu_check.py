@@ -7,6 +7,9 @@ Parts, each "pass", "fail" or "not run" with the reason:
                     (exact for greedy, chi-square for sampling), vocabularies 49152, 128256
   device_kv         cuda-python device KV buffers: in-place strided row writes and rollback
                     vs the host KVCache, bit for bit
+  device_loop       the tiny bundle through the device backend on the GPU (arena, row copies,
+                    kernels choosing tokens next to the logits) with ONNX Runtime CPU as
+                    the engine, vs 'ort-cpu': greedy tokens equal, sampled distribution
   ort_cuda          the tiny bundle on backend 'ort-cuda' vs 'ort-cpu' (onnxruntime-gpu)
   tensorrt          engines built for the tiny bundle and SmolLM2, parity and speculative
                     decoding vs 'ort-cpu' (needs TensorRT)
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -30,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 TINY_PROMPTS = ["hello world", "the cat sat on the mat"]
+ALPHA = 1e-3
 
 
 def machine() -> dict:
@@ -115,48 +120,121 @@ def check_device_kv(memory) -> dict:
 
 
 def tiny_bundle(root: Path) -> Path:
-    """Export the tests' tiny Llama (torch + transformers needed) into `root`."""
+    """The tests' tiny Llama exported into `root` (torch + transformers needed), once."""
+    out = root / "tiny-bundle"
+    if (out / "manifest.json").is_file():
+        return out
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from tiny_models import save_tiny
 
     from specedge.export.bundle import export_bundle
 
     checkpoint = save_tiny(root / "tiny-llama", "llama")
-    export_bundle(str(checkpoint), root / "tiny-bundle", draft_layers=1)
-    return root / "tiny-bundle"
+    export_bundle(str(checkpoint), out, draft_layers=1)
+    return out
 
 
-def compare_backends(bundle: Path, backend: str) -> dict:
-    """Greedy speculative and plain generations on `backend` vs 'ort-cpu'."""
-    from specedge.runtime import Generator
+def compare_generators(ref, dev, sampled_draws: int = 0) -> dict:
+    """Greedy plain and speculative generations must be token for token the same; with
+    `sampled_draws`, the first two sampled tokens must follow the same distribution
+    (two-sample chi-square, that many generations per arm, alpha ALPHA, seeded)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from two_sample import first_two_tokens, two_sample_test
 
-    ref = Generator.from_bundle(bundle)
-    dev = Generator.from_bundle(bundle, backend=backend)
     cases, equal, speeds = 0, 0, []
     for prompt in TINY_PROMPTS:
-        for kwargs in (dict(use_draft=False), dict(draft_tokens=3)):
+        for kwargs in (dict(use_draft=False), dict(draft_tokens=3),
+                       dict(draft_tokens=2, drafter="prompt-lookup")):
             a = ref.generate(prompt, raw=True, max_new_tokens=32, **kwargs)
             b = dev.generate(prompt, raw=True, max_new_tokens=32, **kwargs)
             cases += 1
             equal += a.token_ids == b.token_ids
             speeds.append(b.stats.get("tokens_per_second"))
-    return {"status": "pass" if equal == cases else "fail", "greedy_cases": cases,
-            "identical_to_ort_cpu": equal, "tokens_per_second": speeds}
+    report = {"status": "pass" if equal == cases else "fail", "greedy_cases": cases,
+              "identical_to_ort_cpu": equal, "tokens_per_second": speeds}
+    if sampled_draws:
+        kwargs = dict(draft_tokens=3, temperature=0.8, top_p=0.9)
+        stat, pvalue, _ = two_sample_test(first_two_tokens(ref, sampled_draws, 0, **kwargs),
+                                          first_two_tokens(dev, sampled_draws, 10_000,
+                                                           **kwargs))
+        report["sampled_first_two_tokens"] = {"draws_per_arm": sampled_draws, "alpha": ALPHA,
+                                              "statistic": stat, "pvalue": pvalue}
+        if not pvalue > ALPHA:
+            report["status"] = "fail"
+    return report
+
+
+class HostEngineOnDevice:
+    """ONNX Runtime CPU serving a plan whose addresses are device memory: inputs (the whole
+    KV cache too) are downloaded, the graph runs on host copies, outputs are uploaded. Slow;
+    it exists so that the device loop (arena, row copies, kernels, device token choice) can
+    run on a GPU where neither TensorRT nor onnxruntime-gpu is installed."""
+
+    def __init__(self, spec, memory):
+        from specedge.runtime.engines import OrtEngine
+
+        self.ort, self.memory = OrtEngine(spec, "cpu"), memory
+        self.max_tokens, self.max_keep = self.ort.max_tokens, self.ort.max_keep
+        self._host: dict[tuple, list] = {}
+
+    def execute(self, key, plan, host_values) -> None:
+        from specedge.runtime.engines import TensorBinding
+
+        pairs = self._host.get(key)
+        if pairs is None:
+            pairs = self._host[key] = [(b, np.empty(b.shape, b.dtype)) for b in plan]
+        for b, arr in pairs:
+            if not b.output:
+                self.memory.download(b.address, arr)
+        self.ort.execute(key, [TensorBinding(b.name, arr.ctypes.data, b.shape, b.dtype,
+                                             b.output) for b, arr in pairs], host_values)
+        for b, arr in pairs:
+            if b.output:
+                self.memory.upload(b.address, arr)
+
+    def forget(self) -> None:
+        self.ort.forget()
+        self._host.clear()
+
+
+def check_device_loop(bundle: Path, memory_class, sampler_class) -> dict:
+    """The whole device path but the engine: DeviceBackend on `memory_class` memory with the
+    kernels (`sampler_class`) choosing tokens next to the logits, vs ort-cpu."""
+    from specedge.runtime import Generator
+    from specedge.runtime.bundle import load_bundle
+    from specedge.runtime.device_backend import DeviceBackend
+    from specedge.runtime.text import TextCodec
+
+    b = load_bundle(bundle)
+    backends = []
+    for role in ("target", "draft"):
+        spec, memory = getattr(b, role), memory_class()
+        backends.append(DeviceBackend("device-loop", spec, HostEngineOnDevice(spec, memory),
+                                      memory, sampler_class(memory)))
+    dev = Generator(b, *backends, TextCodec(b))
+    return compare_generators(Generator.from_bundle(bundle), dev, sampled_draws=600)
 
 
 def check_ort_cuda(info: dict, work: Path) -> dict:
     if "CUDAExecutionProvider" not in (info.get("onnxruntime_providers") or []):
         return {"status": "not run", "reason": "onnxruntime-gpu (CUDAExecutionProvider) is "
                 "not installed"}
-    return compare_backends(tiny_bundle(work), "ort-cuda")
+    from specedge.runtime import Generator
+
+    bundle = tiny_bundle(work)
+    return compare_generators(Generator.from_bundle(bundle),
+                              Generator.from_bundle(bundle, backend="ort-cuda"))
 
 
 def check_tensorrt(info: dict, work: Path, smollm2: str | None) -> dict:
     if info["tensorrt"] is None:
         return {"status": "not run", "reason": "TensorRT is not importable on this machine"}
     from specedge.export.tensorrt_build import build_engines
+    from specedge.runtime import Generator
 
-    bundles = {"tiny": tiny_bundle(work)}
+    bundles = {"tiny": tiny_bundle(work)}  # built on a copy: engines are written into it
+    shutil.copytree(bundles["tiny"], work / "tiny-trt", dirs_exist_ok=True)
+    bundles["tiny"] = work / "tiny-trt"
     if smollm2:
         bundles["smollm2"] = Path(smollm2)
     report: dict = {"status": "pass"}
@@ -164,7 +242,8 @@ def check_tensorrt(info: dict, work: Path, smollm2: str | None) -> dict:
         t0 = time.perf_counter()
         build_engines(bundle, precision="fp32" if label == "tiny" else "fp16")
         entry = {"build_seconds": round(time.perf_counter() - t0, 1)}
-        entry.update(compare_backends(bundle, "tensorrt"))
+        entry.update(compare_generators(Generator.from_bundle(bundle),
+                                        Generator.from_bundle(bundle, backend="tensorrt")))
         report[label] = entry
         if entry["status"] != "pass":
             report["status"] = "fail"
@@ -191,6 +270,8 @@ def main() -> int:
     parser.add_argument("--out", default="gpu_report.json", help="JSON report to write")
     parser.add_argument("--smollm2-bundle", help="an exported SmolLM2 bundle for the "
                         "TensorRT part")
+    parser.add_argument("--tiny-bundle", help="FOLDER/tiny-bundle exported beforehand (where "
+                        "this machine cannot export: no torch or transformers)")
     args = parser.parse_args()
     started = time.perf_counter()
     info = machine()
@@ -199,7 +280,7 @@ def main() -> int:
     if not info["gpu"]:
         reason = ("no CUDA GPU: " + info.get("cuda_error", info.get("cuda_python", "none "
                   "found")))
-        for name in ("sampling_kernels", "device_kv", "ort_cuda", "tensorrt"):
+        for name in ("sampling_kernels", "device_kv", "device_loop", "ort_cuda", "tensorrt"):
             parts[name] = {"status": "not run", "reason": reason}
         parts["sampling_kernels"]["nvrtc_compile"] = compile_only()
         print(f"no GPU on this machine; every part: not run ({reason})", file=sys.stderr)
@@ -207,15 +288,18 @@ def main() -> int:
         from gpu_check_sampling import run as check_sampling
 
         from specedge.runtime.device_memory import CudaMemory
+        from specedge.runtime.device_sampling import DeviceSampler
 
         memory = CudaMemory()
         with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
+            work = Path(args.tiny_bundle).parent if args.tiny_bundle else Path(tmp)
             run_part("sampling_kernels", lambda: check_sampling(memory), parts)
             run_part("device_kv", lambda: check_device_kv(memory), parts)
-            run_part("ort_cuda", lambda: check_ort_cuda(info, work / "ort"), parts)
-            run_part("tensorrt", lambda: check_tensorrt(info, work / "trt",
-                                                        args.smollm2_bundle), parts)
+            run_part("device_loop", lambda: check_device_loop(
+                tiny_bundle(work), CudaMemory, DeviceSampler), parts)
+            run_part("ort_cuda", lambda: check_ort_cuda(info, work), parts)
+            run_part("tensorrt", lambda: check_tensorrt(info, work, args.smollm2_bundle),
+                     parts)
     report["seconds"] = round(time.perf_counter() - started, 1)
     failed = [n for n, p in parts.items() if p["status"] == "fail"]
     ran = [n for n, p in parts.items() if p["status"] != "not run"]

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
-PARTS = {"sampling_kernels", "device_kv", "ort_cuda", "tensorrt"}
+PARTS = {"sampling_kernels", "device_kv", "device_loop", "ort_cuda", "tensorrt"}
 
 
 def test_gpu_check_reports_what_it_could_run(tmp_path):
@@ -61,3 +61,20 @@ def test_the_kernel_checks_pass_on_the_numpy_twin_and_catch_a_wrong_sampler():
 
     broken = _sampling_check(AcceptsEverything)
     assert broken["status"] == "fail" and not broken["verify_sampled"]["passed"]
+
+
+def test_the_device_loop_check_passes_on_host_memory(tiny_bundle):
+    """gpu_check's device_loop part, with host memory and the numpy twin in place of the GPU
+    and its kernels: the check's own plumbing (an engine reading device addresses through
+    downloads and uploads) must reproduce ort-cpu; 600 generations per arm, alpha 0.001."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    from specedge.runtime.device_memory import HostMemory
+    from specedge.runtime.device_sampling import HostSampler
+
+    report = gpu_check.check_device_loop(tiny_bundle, HostMemory, HostSampler)
+    assert report["status"] == "pass", report
+    assert report["identical_to_ort_cpu"] == report["greedy_cases"] == 6
