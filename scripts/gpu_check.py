@@ -2,6 +2,11 @@
 
     python scripts/gpu_check.py --out gpu_report.json     (scripts/gpu_check.sh wraps it)
 
+Where the GPU machine cannot export (no torch, or another transformers), export the tiny
+bundle first and take it along:
+    python scripts/gpu_check.py --prepare .gpu              # here: .gpu/tiny-bundle
+    bash scripts/gpu_check.sh report.json --tiny-bundle .gpu/tiny-bundle   # there
+
 Parts, each "pass", "fail" or "not run" with the reason:
   sampling_kernels  NVRTC-compiled sampling / verification kernels vs the numpy reference
                     (exact for greedy, chi-square for sampling), vocabularies 49152, 128256
@@ -272,7 +277,12 @@ def main() -> int:
                         "TensorRT part")
     parser.add_argument("--tiny-bundle", help="FOLDER/tiny-bundle exported beforehand (where "
                         "this machine cannot export: no torch or transformers)")
+    parser.add_argument("--prepare", metavar="FOLDER", help="only export the tiny bundle into "
+                        "FOLDER/tiny-bundle (on a machine with torch), to carry to the GPU")
     args = parser.parse_args()
+    if args.prepare:
+        print(tiny_bundle(Path(args.prepare)))
+        return 0
     started = time.perf_counter()
     info = machine()
     report: dict = {"machine": info, "parts": {}}

@@ -8,9 +8,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
 if ! "$PY" -c "import specedge.runtime" 2>/dev/null; then
-    # A device image may be offline: install specedge alone, its dependencies are there.
+    # Not installed (a device image, maybe offline, maybe without wheel-building tools):
+    # lay the package out as pyproject.toml maps it, with links to this checkout.
     site=$(mktemp -d)
-    "$PY" -m pip install --quiet --no-deps --no-build-isolation --target "$site" .
+    mkdir "$site/specedge"
+    ln -s "$PWD"/specedge/*.py "$site/specedge/"
+    for part in runtime export bench; do ln -s "$PWD/$part" "$site/specedge/$part"; done
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 exec "$PY" scripts/gpu_check.py --out "${1:-gpu_report.json}" "${@:2}"
