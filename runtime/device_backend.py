@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from .bundle import ModelSpec, graph_io
-from .device_kv_cache import DeviceKVCache
+from .device_kv_cache import DeviceKVCache, kv_region
 from .engines import TensorBinding
 
 
@@ -39,9 +39,8 @@ def binding_plan(spec: ModelSpec, cache: DeviceKVCache, t: int,
             TensorBinding("past_length", base + 8 * 2 * mt, (1,), np.int64, False),
             TensorBinding("logits_to_keep", base + 8 * (2 * mt + 1), (1,), np.int64, False)]
     full = (1, spec.num_kv_heads, cache.capacity, spec.head_dim)
-    for i, name in enumerate(inputs[4:]):
-        region = f"{'keys' if i % 2 == 0 else 'values'}.{i // 2}"
-        plan.append(TensorBinding(name, cache.address(region), full, kv_dtype, False))
+    for j, name in enumerate(inputs[4:]):
+        plan.append(TensorBinding(name, cache.address(kv_region(j)), full, kv_dtype, False))
     plan.append(TensorBinding("logits", cache.address("logits"), (1, n, spec.vocab_size),
                               np.float32, True))
     new_rows = (1, spec.num_kv_heads, t, spec.head_dim)

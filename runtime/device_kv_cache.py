@@ -60,6 +60,11 @@ def arena_layout(spec: ModelSpec, capacity: int, max_tokens: int,
     return layout
 
 
+def kv_region(j: int) -> str:
+    """Arena region of cache tensor j in graph order: K of layer j // 2 (even j), else V."""
+    return f"{'keys' if j % 2 == 0 else 'values'}.{j // 2}"
+
+
 def present_stride(spec: ModelSpec, max_tokens: int) -> int:
     """Bytes between presents j and j + 1: each is packed [kv_heads, T <= max_tokens, dim]."""
     return spec.num_kv_heads * max_tokens * spec.head_dim * np.dtype(spec.dtype).itemsize
@@ -76,8 +81,7 @@ def row_copies(spec: ModelSpec, layout: dict[str, Region], capacity: int, max_to
     stride = present_stride(spec, max_tokens)
     copies = []
     for j in range(2 * spec.num_layers):
-        name = f"{'keys' if j % 2 == 0 else 'values'}.{j // 2}"
-        copies.append((layout[name].offset + length * row, capacity * row,
+        copies.append((layout[kv_region(j)].offset + length * row, capacity * row,
                        layout["presents"].offset + j * stride, t * row,
                        t * row, spec.num_kv_heads))
     return copies
