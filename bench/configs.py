@@ -7,7 +7,7 @@ import json
 from importlib import resources
 
 from specedge.runtime import Generator
-from specedge.runtime.stats import ideal_speedup
+from specedge.runtime.stats import TOTALS, rates
 
 GREEDY = {}
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
@@ -48,33 +48,11 @@ def run_ours(gen: Generator, prompts: list[dict], configs: list[tuple[str, dict]
 
 
 def aggregate(stats: list[dict]) -> dict:
-    """Totals over prompts: rates are ratios of sums, not means of ratios."""
-    s = {k: sum(x[k] for x in stats) for k in (
-        "tokens_generated", "target_calls", "draft_calls", "drafted_tokens", "accepted_tokens",
-        "time_total_s", "time_prefill_s", "time_draft_s", "time_target_s")}
-    decode = s["time_total_s"] - s["time_prefill_s"]
-    model = sum((1 - x["outside_model_share"]) * (x["time_total_s"] - x["time_prefill_s"])
-                for x in stats)
+    """Totals over prompts and their rates (runtime/stats.py `rates`: ratios of sums)."""
+    totals = {k: sum(x[k] for x in stats) for k in TOTALS}
     width = max((len(x["position_tries"]) for x in stats), default=0)
-    tries, accepts = [0] * width, [0] * width
-    for x in stats:
-        for j, (t, a) in enumerate(zip(x["position_tries"], x["position_accepts"])):
-            tries[j] += t
-            accepts[j] += a
-    examined = sum(tries)  # beta = accepted / examined drafts, as in runtime/stats.py
-    beta = s["accepted_tokens"] / examined if examined else 0.0
-    target_step = s["time_target_s"] / s["target_calls"] if s["target_calls"] else 0.0
-    c = (s["time_draft_s"] / s["draft_calls"]) / target_step if s["draft_calls"] else 0.0
-    mean_k = s["drafted_tokens"] / s["target_calls"] if s["target_calls"] else 0.0
-    return {
-        "tokens": s["tokens_generated"],
-        "tokens_per_second": (s["tokens_generated"] - len(stats)) / decode if decode else 0.0,
-        "acceptance_rate": beta,
-        "acceptance_per_position": [a / t if t else 0.0 for a, t in zip(accepts, tries)],
-        "tokens_per_target_call": (s["tokens_generated"] - len(stats)) / s["target_calls"]
-        if s["target_calls"] else 0.0,
-        "mean_draft_tokens": mean_k,
-        "draft_cost_ratio_c": c,
-        "ideal_speedup": ideal_speedup(beta, mean_k, c) if mean_k else 1.0,
-        "outside_model_share": 1 - model / decode if decode else 0.0,
-    }
+    for key in ("position_tries", "position_accepts"):
+        totals[key] = [sum(x[key][j] for x in stats if j < len(x[key])) for j in range(width)]
+    row = rates(totals, generations=len(stats))
+    return {"tokens": totals["tokens_generated"],
+            "tokens_per_second": row.pop("decode_tokens_per_second"), **row}

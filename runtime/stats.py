@@ -75,52 +75,67 @@ def ideal_speedup(beta: float, k: float, c: float) -> float:
     return expected_tokens_per_call(beta, k) / (1.0 + c * k)
 
 
+TOTALS = ("tokens_generated", "target_calls", "draft_calls", "drafted_tokens",
+          "accepted_tokens", "time_total_s", "time_prefill_s", "time_draft_s",
+          "time_target_s", "time_model_decode_s")
+
+
+def rates(t: dict, generations: int = 1) -> dict:
+    """The reported rates from totals (the `TOTALS` keys plus per-position `position_tries`
+    and `position_accepts`) of one generation or summed over several: over several, each
+    rate is a ratio of sums, not a mean of ratios."""
+    decode = t["time_total_s"] - t["time_prefill_s"]
+    calls = t["target_calls"]
+    # The first token of each generation comes from its prefill call.
+    decoded = t["tokens_generated"] - generations
+    tries, accepts = t["position_tries"], t["position_accepts"]
+    examined = sum(tries)
+    beta = t["accepted_tokens"] / examined if examined else 0.0
+    target_step = t["time_target_s"] / calls if calls else 0.0
+    draft_step = t["time_draft_s"] / t["draft_calls"] if t["draft_calls"] else 0.0
+    c = draft_step / target_step if target_step else 0.0
+    # K in the formula is the mean drafted per call: a threshold, prompt lookup or the end
+    # of the budget draft fewer than the K asked for.
+    mean_k = t["drafted_tokens"] / calls if calls else 0.0
+    return {
+        "mean_draft_tokens": mean_k,
+        "acceptance_rate": beta,
+        "draft_kept_fraction": t["accepted_tokens"] / t["drafted_tokens"]
+        if t["drafted_tokens"] else 0.0,
+        "acceptance_per_position": [a / n if n else 0.0 for a, n in zip(accepts, tries)],
+        "tokens_per_target_call": decoded / calls if calls else 0.0,
+        # Decode steps only: time spent outside the backends (sampling, bookkeeping, Python).
+        "outside_model_share": 1.0 - t["time_model_decode_s"] / decode
+        if decode > 0 and calls else 0.0,
+        "decode_tokens_per_second": decoded / decode if decode > 0 else 0.0,
+        "draft_cost_ratio_c": c,
+        "ideal_speedup": ideal_speedup(beta, mean_k, c) if mean_k else 1.0,
+    }
+
+
 def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend: str,
               stop_reason: str) -> dict:
     """The statistics dict; `k` is the fixed K, "auto", or 0 for plain decoding."""
     s = clock.seconds
     total = clock.end - clock.start
-    decode = total - s["prefill"]
     target_calls = clock.calls["target"]
-    beta = clock.accepted / clock.examined if clock.examined else 0.0
-    target_step = s["target"] / target_calls if target_calls else 0.0
-    draft_step = s["draft"] / clock.draft_calls if clock.draft_calls else 0.0
-    c = draft_step / target_step if target_step else 0.0
     measured = [s["prefill"], s["draft"], s["target"], s["sampling"]]
-    mean_k = clock.drafted / target_calls if target_calls else 0.0
-    model_decode = clock.model_end - clock.model_start if target_calls else 0.0
-    return {
+    totals = {
         "tokens_generated": tokens,
-        "stop_reason": stop_reason,
-        "backend": backend,
-        "drafter": drafter,
-        "draft_tokens_k": k,
-        "mean_draft_tokens": mean_k,
         "target_calls": target_calls,
         "draft_calls": clock.draft_calls,
         "drafted_tokens": clock.drafted,
         "accepted_tokens": clock.accepted,
-        "acceptance_rate": beta,
-        "draft_kept_fraction": clock.accepted / clock.drafted if clock.drafted else 0.0,
-        "acceptance_per_position": [a / t if t else 0.0 for a, t in
-                                    zip(clock.position_accepts, clock.position_tries)],
         "position_tries": list(clock.position_tries),
         "position_accepts": list(clock.position_accepts),
-        # The first token comes from the prefill call; the rest from decode target calls.
-        "tokens_per_target_call": (tokens - 1) / target_calls if target_calls else 0.0,
         "time_total_s": total,
         "time_prefill_s": s["prefill"],
         "time_draft_s": s["draft"],
         "time_target_s": s["target"],
         "time_sampling_s": s["sampling"],
         "time_other_s": max(0.0, total - sum(measured)),
-        # Decode steps only: time spent outside ONNX Runtime (sampling, bookkeeping, Python).
-        "outside_model_share": 1.0 - model_decode / decode if decode > 0 and target_calls
-        else 0.0,
-        "tokens_per_second": tokens / total if total > 0 else 0.0,
-        "decode_tokens_per_second": (tokens - 1) / decode if decode > 0 else 0.0,
-        "draft_cost_ratio_c": c,
-        # K in the formula is the mean drafted per call: a threshold, prompt lookup or the
-        # end of the budget draft fewer than the K asked for.
-        "ideal_speedup": ideal_speedup(beta, mean_k, c) if k else 1.0,
+        "time_model_decode_s": clock.model_end - clock.model_start if target_calls else 0.0,
     }
+    return {"stop_reason": stop_reason, "backend": backend, "drafter": drafter,
+            "draft_tokens_k": k, **totals, **rates(totals),
+            "tokens_per_second": tokens / total if total > 0 else 0.0}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specedge.bench.configs import aggregate, load_prompts
 from specedge.cli import main
 
@@ -40,7 +42,7 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
 def test_aggregate_uses_ratios_of_sums():
     a = {"tokens_generated": 11, "target_calls": 10, "draft_calls": 20, "drafted_tokens": 20,
          "accepted_tokens": 0, "time_total_s": 2.0, "time_prefill_s": 1.0, "time_draft_s": 0.2,
-         "time_target_s": 0.7, "outside_model_share": 0.1, "position_tries": [10, 10],
+         "time_target_s": 0.7, "time_model_decode_s": 0.9, "position_tries": [10, 10],
          "position_accepts": [0, 0]}
     b = {**a, "tokens_generated": 31, "accepted_tokens": 20, "position_accepts": [10, 10]}
     row = aggregate([a, b])
@@ -48,3 +50,4 @@ def test_aggregate_uses_ratios_of_sums():
     assert row["acceptance_per_position"] == [0.5, 0.5]
     assert row["tokens_per_second"] == (11 + 31 - 2) / 2.0
     assert row["tokens_per_target_call"] == 40 / 20
+    assert row["outside_model_share"] == pytest.approx(0.1)
