@@ -89,6 +89,10 @@ class DeviceChoice:
     def draw(self, rows: DeviceRows, sampling: Sampling, rng: np.random.Generator,
              q: list, need_q_x: bool) -> tuple[int, float]:
         sampler, vocab = rows.backend.sampler, rows.backend.spec.vocab_size
+        if len(q) + 1 >= rows.cache.max_keep:  # the target verifies K + 1 <= max_keep rows
+            raise ValueError(f"{len(q) + 1} draft tokens do not fit this backend's "
+                             f"{rows.cache.max_keep - 1}: draft fewer tokens (or rebuild the "
+                             "engines with a larger --max-draft-tokens)")
         slot = rows.cache.address("probs") + len(q) * vocab * 4
         if sampling.greedy:
             x = sampler.verify_greedy(rows.last, [], vocab)[1]

@@ -207,6 +207,13 @@ def test_device_sampling_path_samples_the_target_distribution(tiny_bundle, kwarg
     assert two_sample_pvalue(host, device) > 0.001
 
 
+def test_more_draft_tokens_than_the_device_buffers_hold_is_a_clear_error(tiny_bundle):
+    dev = Generator.from_bundle(tiny_bundle, backend="host-emulated")
+    with pytest.raises(ValueError, match="draft fewer tokens"):
+        dev.generate(prompt_ids=[1, 2, 3], max_new_tokens=40, draft_tokens=20,
+                     temperature=1.0)
+
+
 def test_missing_tensorrt_names_the_package_and_the_working_backend(bundle, monkeypatch):
     import sys
 
