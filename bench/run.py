@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from specedge.runtime import Generator
+from specedge.runtime.backends import BACKENDS
 
 from . import baselines, report
 from .configs import aggregate, configurations, load_prompts, run_ours
@@ -25,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts for the other systems, which are slow (default 8)")
     p.add_argument("--no-baselines", action="store_true", help="skip transformers, llama.cpp")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
+                   help="runtime backend of our configurations (default ort-cpu)")
     p.add_argument("--out", type=Path, default=Path("bench_results"))
 
 
@@ -42,7 +45,7 @@ def _gguf(bundle: Path) -> Path | None:
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    gen = Generator.from_bundle(args.bundle, threads=args.threads)
+    gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
     prompts = load_prompts(args.limit)
     configs = configurations(args.ks, gen.draft is not None)
     for _, kwargs in configs:  # warm up every code path once
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> dict:
         systems.update(baselines.run_transformers(args.bundle, ids, args.max_new_tokens))
         systems.update(baselines.run_llama_cpp(_gguf(args.bundle), ids, args.max_new_tokens,
                                                args.threads or os.cpu_count() or 1))
-    return {"bundle": str(args.bundle), "precision": gen.bundle.manifest.get("precision"),
+    return {"bundle": str(args.bundle), "backend": args.backend,
+            "precision": gen.bundle.manifest.get("precision"),
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "systems_prompts": n, "configurations": table, "systems": systems}
 

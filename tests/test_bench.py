@@ -51,3 +51,13 @@ def test_aggregate_uses_ratios_of_sums():
     assert row["tokens_per_second"] == (11 + 31 - 2) / 2.0
     assert row["tokens_per_target_call"] == 40 / 20
     assert row["outside_model_share"] == pytest.approx(0.1)
+
+
+def test_bench_runs_on_another_backend(tiny_bundle, tmp_path):
+    """--backend: the GPU backends' code path (here host-emulated) runs every configuration."""
+    out = tmp_path / "bench"
+    main(["bench", "--bundle", str(tiny_bundle), "--limit", "1", "--max-new-tokens", "6",
+          "--ks", "2", "--no-baselines", "--backend", "host-emulated", "--out", str(out)])
+    results = json.loads((out / "bench.json").read_text())
+    assert results["backend"] == "host-emulated"
+    assert results["configurations"]["sampled/draft K=2"]["tokens_per_second"] > 0
