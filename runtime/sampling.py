@@ -36,8 +36,9 @@ def process_logits(
     where HF's ``torch.sort`` leaves them unspecified.
 
     Cost per row of V logits: O(V) without top-p (``np.partition`` for top-k, no sort);
-    with top-p, a partition plus a sort of the few hundred largest logits for typical
-    LM distributions (see :func:`_mask_top_p`), a full sort only for very flat ones.
+    with top-p, a threshold pass plus a sort of the few hundred most probable tokens for
+    typical LM distributions (see :func:`_mask_top_p_dense`), a full sort only for very
+    flat ones.
 
     Args:
         logits: shape ``[V]`` or ``[N, V]``, any float dtype.
@@ -107,8 +108,16 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     p = np.asarray(probs, dtype=np.float64)
     if p.ndim != 1 or p.shape[0] == 0:
         raise ValueError(f"sample: expected a 1-D probability vector, got shape {p.shape}")
+    # After top-k / top-p most entries are 0. Adding 0.0 leaves a float sum unchanged, so the
+    # cumulative sums over the nonzero entries are those of the whole row, and the first
+    # index past u * total is the same token: walk only those (same result, bit for bit).
+    support = np.flatnonzero(p)
+    if 2 * support.size < p.shape[0]:
+        p = p[support]
+    else:
+        support = None
     cdf = np.cumsum(p)
-    total = cdf[-1]
+    total = cdf[-1] if cdf.size else 0.0
     if not (np.isfinite(total) and total > 0):
         raise ValueError(
             f"sample: probabilities must be finite with a positive total, got total {total!r}"
@@ -120,12 +129,7 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
         # too. Cheap insurance all the same; p[V-1] may be 0, so clamp to the last token
         # that can actually be drawn, never to a blind V - 1.
         idx = int(np.flatnonzero(p > 0)[-1])
-    return idx
-
-
-# Initial candidate window of the top-p search; the nucleus of a sharpened LM
-# distribution is usually far smaller, a flat one makes the window grow (x16 per round).
-_TOP_P_WINDOW = 256
+    return idx if support is None else int(support[idx])
 
 
 def _mask_top_k(rows: np.ndarray, k: int) -> np.ndarray:
@@ -171,28 +175,24 @@ def _mask_top_p_dense(rows: np.ndarray, top_p: float) -> np.ndarray:
     mass of the tokens ranked strictly above ``j``, this is the same as keeping ``j``
     iff ``e(j) < top_p`` (plus the top token), which only needs the highest-ranked
     tokens: once a candidate set of top tokens holds mass ``>= top_p``, every token
-    outside it has ``e >= top_p`` and is dropped. So rather than sorting all V entries we
-    sort a window of the largest logits (``np.partition``), widened until it covers
-    ``top_p`` (or until it is most of the row, where a plain sort is cheaper).
+    outside it has ``e >= top_p`` and is dropped. The candidates are the tokens with
+    ``p >= (1 - top_p) / V``: the others, fewer than V, hold less than ``1 - top_p``
+    together, so the candidates hold more than ``top_p``. For LM distributions they are a
+    few hundred tokens, which are then sorted; a flat row falls back to sorting them all.
 
     Ranking is by logit with ties in vocabulary order, exactly a stable ascending sort
     of the whole row (HF's ``torch.sort`` leaves the order of ties unspecified): the
-    window takes *every* token tied with its smallest member, so it never splits a tie.
+    candidates are chosen by value, so they never split a tie.
     """
     vocab = rows.shape[-1]
     probs = _softmax(rows)
     unmasked = rows > -np.inf
     width = int(unmasked.sum(axis=-1).max())
-    window = min(_TOP_P_WINDOW, width)
-    while 4 * window < width:
-        mth = np.partition(rows, vocab - window, axis=-1)[:, vocab - window, None]
-        # A row with fewer than `window` unmasked tokens has mth = -inf: keep its
-        # masked entries out of the window.
-        keep, covered = _nucleus(rows, probs, (rows >= mth) & unmasked, top_p)
-        if covered.all():
+    cand = probs >= (1.0 - top_p) / vocab
+    if 4 * int(cand.sum(axis=-1).max()) < width:
+        keep, covered = _nucleus(rows, probs, cand & unmasked, top_p)
+        if covered.all():  # always, up to rounding in the sums
             return np.where(keep, rows, -np.inf)
-        window *= 16
-    # The window would be most of the row: rank every unmasked token instead.
     keep, _ = _nucleus(rows, probs, None if width == vocab else unmasked, top_p)
     return np.where(keep, rows, -np.inf)
 
@@ -251,7 +251,10 @@ def _softmax(rows: np.ndarray) -> np.ndarray:
 
     Callers guarantee a finite max per row, so no ``-inf - -inf`` NaN can appear.
     """
-    e = np.exp(rows - rows.max(axis=-1, keepdims=True))
+    # In place on one fresh array: a temporary of a 49k-wide row costs more in page faults
+    # than the exp itself.
+    e = rows - rows.max(axis=-1, keepdims=True)
+    np.exp(e, out=e)
     e /= e.sum(axis=-1, keepdims=True)
     return e
 

@@ -158,8 +158,9 @@ def test_tiny_top_p_keeps_only_argmax(top_p):
         (10, 1.0, 0.7, 5, 0.9),
         (50, 3.0, 1.0, 0, 0.5),
         (50, 3.0, 1.0, 20, 0.95),
-        (2000, 2.0, 0.8, 0, 0.9),  # > 4 x window: exercises the partition window path
-        (3000, 0.3, 2.0, 0, 0.999),  # flat: the window must grow to the whole row
+        (2000, 2.0, 0.8, 0, 0.9),  # few candidates: the threshold path
+        (3000, 0.3, 2.0, 0, 0.999),  # flat: candidates are most of the row, full sort
+        (49152, 4.0, 0.7, 0, 0.9),  # an LM-sized row
         (3000, 4.0, 0.6, 100, 0.8),
         (3000, 4.0, 0.6, 2999, 0.3),
     ],
@@ -188,6 +189,19 @@ def test_matches_hf_reference_with_ties_and_masks():
         top_p = float(rng.choice([0.0, 0.3, 0.5, 0.9, 1.0]))
         got = process_logits(logits, temperature, top_k=top_k, top_p=top_p)
         want = hf_reference(logits, temperature, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
+def test_matches_hf_reference_with_ties_among_the_candidates():
+    # A large, peaked row whose top tokens tie (logits rounded to 0.5): the candidate set
+    # of the threshold path must keep or drop each tie whole, as a full stable sort does.
+    rng = np.random.default_rng(5)
+    for top_p in (0.3, 0.8, 0.95):
+        logits = np.round(rng.normal(size=(3, 49152)) * 3 * 2) / 2
+        logits[:, rng.integers(0, 49152, 40)] += 10
+        got = process_logits(logits, 0.8, top_p=top_p)
+        want = hf_reference(logits, 0.8, 0, top_p)
         np.testing.assert_array_equal(got > 0, want > 0)
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
 
