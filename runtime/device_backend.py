@@ -58,6 +58,7 @@ class DeviceBackend:
         self.run_seconds = 0.0
         self._cache: DeviceKVCache | None = None
         self._plans: dict[tuple[int, int], list[TensorBinding]] = {}
+        self._host_values: dict[str, np.ndarray] = {}
         self._staging = np.zeros(2 * engine.max_tokens + 2, np.int64)
         self._logits = np.zeros((engine.max_keep, spec.vocab_size), np.float32)
 
@@ -92,6 +93,10 @@ class DeviceBackend:
         if self._cache is not cache:
             self._cache, self._plans = cache, {}
             self.engine.forget()
+            # Views of the staged scalars, which TensorRT reads from the host (shape tensors).
+            mt = cache.max_tokens
+            self._host_values = {"past_length": self._staging[2 * mt:2 * mt + 1],
+                                 "logits_to_keep": self._staging[2 * mt + 1:2 * mt + 2]}
         step = cache.max_tokens
         # Only the last chunk's logits are kept; it holds at least logits_to_keep tokens.
         last = max(0, t - max(logits_to_keep, (t - 1) % step + 1))
@@ -111,10 +116,8 @@ class DeviceBackend:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = binding_plan(self.spec, cache, t, n)
-        host_values = {"past_length": s[2 * mt:2 * mt + 1],
-                       "logits_to_keep": s[2 * mt + 1:2 * mt + 2]}
         t0 = time.perf_counter()
-        self.engine.execute((id(cache), t, n), plan, host_values)
+        self.engine.execute((id(cache), t, n), plan, self._host_values)
         self.memory.synchronize()
         self.run_seconds += time.perf_counter() - t0
         cache.write(t)

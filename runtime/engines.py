@@ -105,20 +105,24 @@ class TrtEngine:
                              if self.engine.is_shape_inference_io(self.engine.get_tensor_name(i))}
         self._calls: dict[tuple, int] = {}
         self._graphs: dict[tuple, object] = {}
+        self._contexts: dict[tuple, object] = {}  # the profile's context serving a key
 
     def execute(self, key: tuple, plan: list[TensorBinding],
                 host_values: dict[str, np.ndarray]) -> None:
-        from .engine_manifest import profile_for
-
-        tokens = next(b.shape[1] for b in plan if b.name == "input_ids")
-        capacity = next(b.shape[2] for b in plan if b.name.startswith("past_key_values"))
-        context = self.contexts[profile_for(self.spec, tokens, capacity)]
         graph = self._graphs.get(key)
         if graph is not None:
             # Same key, same addresses and shapes: the captured launch is still valid; the
             # inputs it reads (ids, past_length) were uploaded to their fixed addresses.
             cuda_check(self._rt.cudaGraphLaunch(graph, self.stream), "cudaGraphLaunch")
             return
+        context = self._contexts.get(key)
+        if context is None:
+            from .engine_manifest import profile_for
+
+            tokens = next(b.shape[1] for b in plan if b.name == "input_ids")
+            capacity = next(b.shape[2] for b in plan if b.name.startswith("past_key_values"))
+            context = self._contexts[key] = self.contexts[profile_for(self.spec, tokens,
+                                                                      capacity)]
         for b in plan:
             if not b.output and not context.set_input_shape(b.name, b.shape):
                 raise RuntimeError(f"{self.spec.path.name} refused input {b.name} of shape "
@@ -128,7 +132,7 @@ class TrtEngine:
                        else b.address)
             context.set_tensor_address(b.name, address)
         self._calls[key] = self._calls.get(key, 0) + 1
-        if tokens == 1 and self._calls[key] == 2:
+        if key[1] == 1 and self._calls[key] == 2:
             # The draft's one-token step repeats with fixed shapes and addresses: capture it
             # once (after a first plain run did TensorRT's lazy set-up) and replay it.
             self._graphs[key] = self._capture(context)
@@ -152,3 +156,4 @@ class TrtEngine:
     def forget(self) -> None:
         self._calls.clear()
         self._graphs.clear()
+        self._contexts.clear()

@@ -34,7 +34,7 @@ from .params import (
 )
 from .stats import StepClock, summarize
 from .text import TextCodec
-from .token_choice import HostChoice, choice_for
+from .token_choice import choice_for
 
 
 @dataclass
@@ -158,7 +158,7 @@ class Generator:
         clock.finish()
         stats = summarize(clock, len(tokens), "auto" if auto else k_max,
                           proposer.name if proposer else "none", self.target.name, reason)
-        stats["sampling_on"] = "host" if isinstance(self._choice, HostChoice) else "device"
+        stats["sampling_on"] = self._choice.where
         self.last_result = GenerationResult(text, tokens, stats, reason)
 
     # ---- the loop -------------------------------------------------------------------------

@@ -30,6 +30,8 @@ _T1 = Sampling(1.0)  # q(x) of a greedy draft token, for the draft threshold: so
 class HostChoice:
     """Logits come back to the host as numpy rows; numpy chooses."""
 
+    where = "host"
+
     def run(self, backend, cache, ids, keep: int) -> np.ndarray:
         return backend.forward(cache, ids, keep)
 
@@ -74,6 +76,8 @@ class DeviceRows:
 class DeviceChoice:
     """The backend's sampler chooses where the logits are; processed rows go to the arena's
     `probs` region (the draft's q_1..q_K, or the target's p_1..p_{K+1})."""
+
+    where = "device"
 
     def run(self, backend, cache, ids, keep: int) -> DeviceRows:
         return DeviceRows(backend, cache, backend.forward_rows(cache, ids, keep), keep)

@@ -29,20 +29,19 @@ def main(argv: list[str] | None = None) -> None:
     from specedge.runtime import cli as runtime_cli
 
     runtime_cli.add_generate(sub)
-    export_parser = sub.add_parser("export", help="Hugging Face model -> bundle (needs the "
-                                   "export extra: pip install 'specedge[export]')")
-    add_export_arguments(export_parser)
-    distill_parser = sub.add_parser("distill", help="train a small draft for a target on "
-                                    "text the target generates (needs the export extra)")
-    add_distill_arguments(distill_parser)
-    build_parser = sub.add_parser("build", help="bundle -> TensorRT engines, on the device that "
-                                  "will run them (needs tensorrt and cuda-python, no torch)")
-    add_build_arguments(build_parser)
-    bench_parser = sub.add_parser("bench", help="speculative vs plain decoding and other "
-                                  "systems on a prompt set; writes JSON, markdown, plots")
     from specedge.bench.run import add_arguments as add_bench_arguments
 
-    add_bench_arguments(bench_parser)
+    for name, help_text, add_arguments in (
+        ("export", "Hugging Face model -> bundle (needs the export extra: pip install "
+         "'specedge[export]')", add_export_arguments),
+        ("distill", "train a small draft for a target on text the target generates (needs "
+         "the export extra)", add_distill_arguments),
+        ("build", "bundle -> TensorRT engines, on the device that will run them (needs "
+         "tensorrt and cuda-python, no torch)", add_build_arguments),
+        ("bench", "speculative vs plain decoding and other systems on a prompt set; writes "
+         "JSON, markdown, plots", add_bench_arguments),
+    ):
+        add_arguments(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
     if args.command == "bench":
         from specedge.bench.run import main as bench_main
