@@ -1,36 +1,105 @@
-"""How many tokens to draft: a fixed K, or `auto`, which picks the K that maximises the
-ideal speedup (DESIGN.md) for the acceptance rate and cost ratio measured so far (beta =
-accepted / examined drafts, see stats.py):
+"""How many tokens to draft: a fixed K, or `auto`, which before every step picks the K in
+[0, k_max] with the highest expected rate of tokens per second:
 
-    speedup(K) = (1 - beta^(K+1)) / ((1 - beta)(1 + cK))
+    rate(K) = E(beta, K) / (K d + v(K + 1)),    E(beta, K) = (1 - beta^(K+1)) / (1 - beta)
 
-A draft that is often right and cheap (beta high, c low) earns a long K; a poor or costly
-one is cut down to K = 1. K follows measured times, so with `auto` a seed fixes the
-distribution but not the exact text of a sampled generation.
+d is the seconds of one draft step, v(T) the seconds of a target step on T tokens (the call
+and the choice of tokens from its rows). With v constant, rate(K) / rate(0) is the ideal
+speedup of DESIGN.md with c = d / v. But a (K+1)-token call costs more than a one-token call,
+by a factor that depends on the CPU, the precision and the thread pool (SmolLM2 int8 on a
+2-core CPU without AVX2: 1.1x at T = 2, 1.6x at T = 5, 2.3x at T = 9; fp32 1.1x-1.4x, see
+scripts/bench_verify_cost.py), so auto measures v per T instead of assuming it flat. K = 0
+is plain decoding: auto falls back to it when no K pays, and a poor draft then costs only
+the probes below.
+
+beta is measured over the generation so far (stats.py), smoothed by a prior. v and d are
+properties of the machine and the models, so `StepCosts` keeps them across generations;
+a T not measured yet is estimated linearly from the T that are. A K is only measured where
+it is used, so every PROBE_EVERY steps auto tries one K more, and half-way one K less, than
+its choice. K follows measured times, so with `auto` a seed fixes the distribution but not
+the exact text of a sampled generation.
 """
 
 from __future__ import annotations
 
-from .stats import StepClock, ideal_speedup
+from collections.abc import Sequence
+
+import numpy as np
+
+from .stats import StepClock, expected_tokens_per_call
 
 AUTO_MAX_K = 8
-# Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7)
-# and a small cost, so the first steps draft a moderate K and start measuring.
-PRIOR_EXAMINED, PRIOR_ACCEPTED, PRIOR_C = 4.0, 2.8, 0.1
+# Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7),
+# a small draft cost and a moderate growth of the verification cost with T, so the first
+# steps draft a moderate K and start measuring.
+PRIOR_EXAMINED, PRIOR_ACCEPTED = 4.0, 2.8
+PRIOR_C = 0.1       # d / v(1)
+PRIOR_SLOPE = 0.15  # (v(T) - v(1)) / (v(1) (T - 1)) until two T are measured
+PROBE_EVERY = 16
+SMOOTHING = 0.2     # weight of a new observation in the running cost estimates
 
 
-def best_k(beta: float, c: float, k_max: int) -> int:
-    """The K in [1, k_max] with the highest ideal speedup (smallest K on ties)."""
-    return max(range(1, k_max + 1), key=lambda k: (ideal_speedup(beta, k, c), -k))
+def best_k(beta: float, draft_cost: float, verify_cost: Sequence[float], k_max: int) -> int:
+    """The K in [0, k_max] with the highest rate(K) (smallest K on ties); verify_cost[T]
+    is v(T) for T = 1 .. k_max + 1 (index 0 unused), in the unit of `draft_cost`."""
+    def rate(k: int) -> float:
+        return expected_tokens_per_call(beta, k) / (k * draft_cost + verify_cost[k + 1])
+    return max(range(k_max + 1), key=lambda k: (rate(k), -k))
 
 
-def auto_k(clock: StepClock, k_max: int = AUTO_MAX_K) -> int:
-    """best_k for the acceptance and cost measured by `clock`, smoothed by the prior."""
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else old + SMOOTHING * (new - old)
+
+
+class StepCosts:
+    """Running estimates of v(T) and d, in seconds."""
+
+    def __init__(self) -> None:
+        self.verify: dict[int, float] = {}
+        self.draft: float | None = None
+
+    def observe(self, t: int, seconds: float, draft_seconds: float = 0.0,
+                draft_calls: int = 0) -> None:
+        """One step: a target step on `t` tokens, after `draft_calls` draft steps."""
+        self.verify[t] = _smooth(self.verify.get(t), seconds)
+        if draft_calls:
+            self.draft = _smooth(self.draft, draft_seconds / draft_calls)
+
+    def verify_costs(self, t_max: int) -> list[float]:
+        """v(T) for T = 0 .. t_max (v(0) unused): measured where it was, interpolated
+        between measured T, extrapolated beyond them with the slope at that end (never
+        falling with T), or from PRIOR_SLOPE while fewer than two T are measured."""
+        ts = sorted(self.verify)
+        vs = [self.verify[t] for t in ts]
+        if len(ts) < 2:
+            t0, v0 = (ts[0], vs[0]) if ts else (1, 1.0)
+            one = v0 / (1.0 + PRIOR_SLOPE * (t0 - 1))
+            return [one * (1.0 + PRIOR_SLOPE * (t - 1)) for t in range(t_max + 1)]
+        low = max(0.0, (vs[1] - vs[0]) / (ts[1] - ts[0]))
+        high = max(0.0, (vs[-1] - vs[-2]) / (ts[-1] - ts[-2]))
+        costs = []
+        for t in range(t_max + 1):
+            if t < ts[0]:
+                costs.append(max(vs[0] - low * (ts[0] - t), 0.5 * vs[0]))
+            elif t > ts[-1]:
+                costs.append(vs[-1] + high * (t - ts[-1]))
+            else:
+                costs.append(float(np.interp(t, ts, vs)))
+        return costs
+
+    def draft_cost(self, verify_one: float) -> float:
+        return self.draft if self.draft is not None else PRIOR_C * verify_one
+
+
+def auto_k(clock: StepClock, costs: StepCosts, k_max: int = AUTO_MAX_K) -> int:
+    """best_k for the acceptance measured by `clock` (smoothed by the prior) and the costs
+    in `costs`, with a probe of K + 1 or K - 1 on every PROBE_EVERY / 2-th step."""
     beta = (clock.accepted + PRIOR_ACCEPTED) / (clock.examined + PRIOR_EXAMINED)
-    target_calls = clock.calls["target"]
-    if clock.draft_calls and target_calls:
-        c = (clock.seconds["draft"] / clock.draft_calls) / \
-            (clock.seconds["target"] / target_calls)
-    else:
-        c = PRIOR_C
-    return best_k(min(beta, 0.999), c, k_max)
+    verify = costs.verify_costs(k_max + 1)
+    k = best_k(min(beta, 0.999), costs.draft_cost(verify[1]), verify, k_max)
+    step = clock.calls["target"]
+    if step % PROBE_EVERY == PROBE_EVERY // 2:
+        return min(k + 1, k_max)
+    if step and step % PROBE_EVERY == 0:
+        return max(k - 1, 0)
+    return k

@@ -24,6 +24,7 @@ class StepClock:
         self.start = time.perf_counter()
         self.end = self.start
         self.seconds: dict[str, float] = defaultdict(float)
+        self.last: dict[str, float] = defaultdict(float)  # seconds of each phase's last run
         self.calls: dict[str, int] = defaultdict(int)
         self.draft_calls = 0
         self.drafted = 0
@@ -40,7 +41,8 @@ class StepClock:
         try:
             yield
         finally:
-            self.seconds[phase] += time.perf_counter() - t0
+            self.last[phase] = time.perf_counter() - t0
+            self.seconds[phase] += self.last[phase]
             self.calls[phase] += 1
 
     def record_step(self, drafted: int, accepted: int) -> None:

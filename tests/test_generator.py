@@ -156,17 +156,59 @@ def test_prompt_lookup_proposes_the_continuation_of_the_last_match():
     assert d.propose([1, 2, 3], 3, Sampling(), rng)[0] == []
 
 
-def test_best_k_follows_the_speedup_formula():
+def test_best_k_with_flat_verification_cost_maximises_the_ideal_speedup():
+    """v(T) = 1 for every T: rate(K) / rate(0) is the ideal speedup with c = d, and K = 0
+    (plain decoding, speedup 1) is chosen only when no K beats it."""
     from specedge.runtime.draft_length import best_k
     from specedge.runtime.stats import ideal_speedup
 
-    for beta in (0.1, 0.5, 0.8, 0.95):
-        for c in (0.0, 0.05, 0.3):
-            k = best_k(beta, c, 8)
-            assert all(ideal_speedup(beta, k, c) >= ideal_speedup(beta, j, c)
-                       for j in range(1, 9))
-    assert best_k(0.95, 0.01, 8) == 8      # a cheap, accurate draft drafts long
-    assert best_k(0.2, 0.3, 8) == 1        # a poor, costly one drafts one token
+    flat = [1.0] * 10
+    for beta in (0.05, 0.1, 0.5, 0.8, 0.95):
+        for c in (0.0, 0.05, 0.3, 1.0):
+            k = best_k(beta, c, flat, 8)
+            speedups = [1.0] + [ideal_speedup(beta, j, c) for j in range(1, 9)]
+            assert speedups[k] == max(speedups)
+    assert best_k(0.95, 0.01, flat, 8) == 8   # a cheap, accurate draft drafts long
+    assert best_k(0.2, 0.1, flat, 8) == 1     # a poor one drafts one token
+    assert best_k(0.05, 1.0, flat, 8) == 0    # a useless one is not run at all
+
+
+def test_best_k_counts_the_cost_of_longer_verification():
+    """The measured case of a 2-core CPU: int8 verification costs 1 + 0.16 (T - 1) of a
+    one-token step; a draft accepted 25% of the time at c = 0.1 then loses at every K,
+    while a flat-cost model would draft."""
+    from specedge.runtime.draft_length import best_k
+
+    growing = [1.0 + 0.16 * (t - 1) for t in range(10)]
+    assert best_k(0.25, 0.1, [1.0] * 10, 8) >= 1
+    assert best_k(0.25, 0.1, growing, 8) == 0
+    assert best_k(0.8, 0.05, growing, 8) < best_k(0.8, 0.05, [1.0] * 10, 8)
+
+
+def test_step_costs_measure_interpolate_and_extrapolate():
+    from specedge.runtime.draft_length import PRIOR_C, PRIOR_SLOPE, SMOOTHING, StepCosts
+
+    costs = StepCosts()
+    prior = costs.verify_costs(4)
+    assert prior[1:] == pytest.approx([1 + PRIOR_SLOPE * t for t in range(4)])
+    assert costs.draft_cost(2.0) == pytest.approx(PRIOR_C * 2.0)
+    costs.observe(3, 0.013, draft_seconds=0.004, draft_calls=2)
+    assert costs.draft == pytest.approx(0.002)
+    # One T measured: the prior's shape through it.
+    assert costs.verify_costs(3)[1] == pytest.approx(0.013 / (1 + 2 * PRIOR_SLOPE))
+    costs.observe(5, 0.017)
+    costs.observe(1, 0.010)
+    v = costs.verify_costs(7)
+    assert v[1] == pytest.approx(0.010) and v[3] == pytest.approx(0.013)
+    assert v[2] == pytest.approx(0.0115) and v[4] == pytest.approx(0.015)   # between
+    assert v[7] == pytest.approx(0.021)                # beyond: the slope of the last two
+    costs.observe(1, 0.020)
+    assert costs.verify_costs(1)[1] == pytest.approx(0.010 + SMOOTHING * 0.010)
+    falling = StepCosts()
+    falling.observe(2, 0.02)
+    falling.observe(3, 0.01)   # noise: v must not fall with T, nor collapse below it
+    assert falling.verify_costs(5)[5] == pytest.approx(0.01)
+    assert falling.verify_costs(5)[1] == pytest.approx(0.02)
 
 
 @pytest.mark.parametrize("setting", [dict(draft_tokens="auto"),
@@ -202,19 +244,43 @@ def test_acceptance_counts_only_examined_drafts():
     assert clock.position_accepts == [2, 1, 1, 1]
 
 
-def test_auto_k_reads_the_measured_acceptance_and_cost():
-    from specedge.runtime.draft_length import auto_k
+def test_auto_k_reads_the_measured_acceptance_and_cost_and_probes():
+    from specedge.runtime.draft_length import PROBE_EVERY, StepCosts, auto_k
     from specedge.runtime.stats import StepClock
 
-    clock = StepClock()
-    assert 1 <= auto_k(clock) <= 8  # the prior alone
+    clock, costs = StepClock(), StepCosts()
+    assert 1 <= auto_k(clock, costs) <= 8  # the priors alone draft
     clock.examined, clock.accepted = 400, 390
-    clock.draft_calls, clock.calls["target"] = 400, 100
-    clock.seconds["draft"], clock.seconds["target"] = 0.4, 10.0   # c = 0.01
-    assert auto_k(clock) == 8
+    clock.calls["target"] = 1
+    for t in range(1, 10):
+        costs.observe(t, 0.010, draft_seconds=0.0001, draft_calls=1)   # flat, c = 0.01
+    assert auto_k(clock, costs) == 8
     clock.accepted = 40
-    clock.seconds["draft"] = 40.0                                   # c = 1
-    assert auto_k(clock) == 1
+    costs.observe(2, 0.010, draft_seconds=0.2, draft_calls=1)          # a costly draft
+    assert auto_k(clock, costs) == 0
+    clock.calls["target"] = PROBE_EVERY // 2
+    assert auto_k(clock, costs) == 1      # the probe keeps measuring acceptance
+    clock.calls["target"] = PROBE_EVERY
+    assert auto_k(clock, costs) == 0      # K - 1, floored at plain decoding
+    clock.accepted = 390
+    costs.draft = 0.0001
+    assert auto_k(clock, costs) == 7      # K - 1
+
+
+def test_auto_falls_back_to_plain_decoding_when_no_draft_pays(gen, monkeypatch):
+    """Verification made to look costly: auto then decodes almost only with K = 0 (the
+    probes aside), and the tokens are still the target's."""
+    from specedge.runtime.draft_length import PROBE_EVERY, StepCosts
+
+    plain = gen.generate("the cat sat", raw=True, max_new_tokens=48, use_draft=False)
+    costs = StepCosts()
+    costs.verify = {1: 0.001, 2: 1.0, 3: 2.0}
+    costs.draft = 0.001
+    monkeypatch.setitem(gen._costs, ("model", True), costs)
+    monkeypatch.setattr(costs, "observe", lambda *a, **k: None)   # keep the staged costs
+    auto = gen.generate("the cat sat", raw=True, max_new_tokens=48, draft_tokens="auto")
+    assert auto.token_ids == plain.token_ids
+    assert 1 <= auto.stats["drafted_tokens"] <= 47 // (PROBE_EVERY // 2) + 1
 
 
 def test_threshold_cuts_drafts_short(gen):
@@ -223,3 +289,11 @@ def test_threshold_cuts_drafts_short(gen):
                        draft_threshold=0.9)
     assert cut.stats["mean_draft_tokens"] < full.stats["mean_draft_tokens"]
     assert cut.token_ids == full.token_ids
+
+
+def test_sessions_stop_spinning_after_a_run(gen):
+    """Target and draft run one after the other: a pool that kept spinning after its run
+    would take the cores the other session's run needs."""
+    for backend in (gen.target, gen.draft):
+        options = backend.session.get_session_options()
+        assert options.get_session_config_entry("session.force_spinning_stop") == "1"
