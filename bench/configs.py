@@ -31,6 +31,8 @@ def configurations(ks: list[int], has_draft: bool) -> list[tuple[str, dict]]:
         if mode == "greedy":
             configs.append((f"{mode}/prompt-lookup K=4",
                             {**sampling, "drafter": "prompt-lookup", "draft_tokens": 4}))
+        configs.append((f"{mode}/prompt-lookup auto",
+                        {**sampling, "drafter": "prompt-lookup", "draft_tokens": "auto"}))
     return configs
 
 

@@ -24,6 +24,15 @@ def markdown(results: dict) -> str:
         cells = [fmt.format(row[key]) for _, key, fmt in COLUMNS]
         per_pos = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]) or "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_pos} |")
+    configs = results["configurations"]
+    cats = sorted({cat for row in configs.values() for cat in row["by_category"]})
+    lines += ["", "## Speedup by prompt category (tok/s over plain, same mode and category)",
+              "", "| configuration | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    for name, row in configs.items():
+        plain = configs[name.split("/")[0] + "/plain"]["by_category"]
+        lines.append(f"| {name} | " + " | ".join(
+            f"{row['by_category'][c] / plain[c]:.2f}x" if c in row["by_category"] else "-"
+            for c in cats) + " |")
     lines += ["", f"## Systems (greedy, first {results['systems_prompts']} prompts)", "",
               "| system | tok/s | ours / system |", "|---|---|---|"]
     ours = results["systems"]["specedge best"]["tokens_per_second"]

@@ -24,8 +24,9 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
     results = json.loads((out / "bench.json").read_text())
     configs = results["configurations"]
     assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
-                            "greedy/draft auto", "greedy/prompt-lookup K=4", "sampled/plain",
-                            "sampled/draft K=2", "sampled/draft auto"}
+                            "greedy/draft auto", "greedy/prompt-lookup K=4",
+                            "greedy/prompt-lookup auto", "sampled/plain", "sampled/draft K=2",
+                            "sampled/draft auto", "sampled/prompt-lookup auto"}
     assert configs["greedy/plain"]["speedup"] == 1.0
     for row in configs.values():
         assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
@@ -36,7 +37,9 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
     for name in ("bench.md", "speedup_vs_k.png", "acceptance_per_position.png",
                  "systems.png"):
         assert (out / name).stat().st_size > 0
-    assert "| greedy/draft K=2 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| greedy/draft K=2 |" in printed
+    assert "| configuration | chat |" in printed and "| greedy/plain | 1.00x |" in printed
 
 
 def test_aggregate_uses_ratios_of_sums():

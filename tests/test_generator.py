@@ -165,12 +165,12 @@ def test_best_k_with_flat_verification_cost_maximises_the_ideal_speedup():
     flat = [1.0] * 10
     for beta in (0.05, 0.1, 0.5, 0.8, 0.95):
         for c in (0.0, 0.05, 0.3, 1.0):
-            k = best_k(beta, c, flat, 8)
+            k = best_k([beta] * 8, c, flat, 8)
             speedups = [1.0] + [ideal_speedup(beta, j, c) for j in range(1, 9)]
             assert speedups[k] == max(speedups)
-    assert best_k(0.95, 0.01, flat, 8) == 8   # a cheap, accurate draft drafts long
-    assert best_k(0.2, 0.1, flat, 8) == 1     # a poor one drafts one token
-    assert best_k(0.05, 1.0, flat, 8) == 0    # a useless one is not run at all
+    assert best_k([0.95] * 8, 0.01, flat, 8) == 8   # a cheap, accurate draft drafts long
+    assert best_k([0.2] * 8, 0.1, flat, 8) == 1     # a poor one drafts one token
+    assert best_k([0.05] * 8, 1.0, flat, 8) == 0    # a useless one is not run at all
 
 
 def test_best_k_counts_the_cost_of_longer_verification():
@@ -180,9 +180,30 @@ def test_best_k_counts_the_cost_of_longer_verification():
     from specedge.runtime.draft_length import best_k
 
     growing = [1.0 + 0.16 * (t - 1) for t in range(10)]
-    assert best_k(0.25, 0.1, [1.0] * 10, 8) >= 1
-    assert best_k(0.25, 0.1, growing, 8) == 0
-    assert best_k(0.8, 0.05, growing, 8) < best_k(0.8, 0.05, [1.0] * 10, 8)
+    assert best_k([0.25] * 8, 0.1, [1.0] * 10, 8) >= 1
+    assert best_k([0.25] * 8, 0.1, growing, 8) == 0
+    assert best_k([0.8] * 8, 0.05, growing, 8) < best_k([0.8] * 8, 0.05, [1.0] * 10, 8)
+
+
+def test_best_k_uses_the_acceptance_of_each_position():
+    """E(K) = 1 + sum_i beta_1 ... beta_i: a draft weak at the first position but strong
+    after it (prompt lookup copying a span) is worth a long K, or none; one i.i.d. rate
+    with the same pooled value would pick a short K."""
+    from specedge.runtime.draft_length import best_k, position_betas
+    from specedge.runtime.stats import StepClock
+
+    growing = [1.0 + 0.15 * (t - 1) for t in range(10)]
+    assert best_k([0.6] + [0.95] * 7, 0.0, growing, 8) == 8
+    assert best_k([0.6] * 8, 0.0, growing, 8) == 2
+    assert best_k([0.1] + [0.95] * 7, 0.0, growing, 8) == 0
+    clock = StepClock()
+    for _ in range(50):
+        clock.record_step(drafted=3, accepted=0)
+        clock.record_step(drafted=3, accepted=3)
+    betas = position_betas(clock, 4)
+    assert betas[0] == pytest.approx((50 + 4 * 152.8 / 204) / 104)
+    assert betas[1] > 0.95 and betas[2] > 0.95
+    assert betas[3] == pytest.approx(152.8 / 204)   # never tried: the pooled rate
 
 
 def test_step_costs_measure_interpolate_and_extrapolate():
