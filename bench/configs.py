@@ -33,6 +33,9 @@ def configurations(ks: list[int], has_draft: bool) -> list[tuple[str, dict]]:
                             {**sampling, "drafter": "prompt-lookup", "draft_tokens": 4}))
         configs.append((f"{mode}/prompt-lookup auto",
                         {**sampling, "drafter": "prompt-lookup", "draft_tokens": "auto"}))
+        if has_draft:
+            configs.append((f"{mode}/lookup+model auto",
+                            {**sampling, "drafter": "lookup+model", "draft_tokens": "auto"}))
     return configs
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from .backends import load_backend
 from .bundle import load_bundle
 from .draft_length import StepCosts, auto_k
-from .drafters import ModelDrafter, PromptLookupDrafter
+from .drafters import LookupThenModelDrafter, ModelDrafter, PromptLookupDrafter
 from .kv_cache import KVCache, capacity_for
 from .params import (
     Sampling,
@@ -71,7 +71,7 @@ class Generator:
     def max_context(self, drafter=None) -> int:
         """Largest prompt + new tokens: the target's context, and the draft's if it runs."""
         limits = [self.bundle.target.max_context]
-        if isinstance(drafter, ModelDrafter):
+        if isinstance(drafter, (ModelDrafter, LookupThenModelDrafter)):
             limits.append(self.bundle.draft.max_context)
         return min(limits)
 
@@ -228,6 +228,8 @@ class Generator:
             raise ValueError("this bundle has no draft model: use drafter='prompt-lookup' "
                              "(--drafter prompt-lookup), use_draft=False (--no-draft), or "
                              "re-export with --draft / --draft-layers")
+        if name == "lookup+model":
+            return LookupThenModelDrafter(self._model_drafter)
         return self._model_drafter
 
     def _prompt_ids(self, prompt, prompt_ids, messages, raw) -> list[int]:

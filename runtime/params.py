@@ -11,7 +11,7 @@ import numpy as np
 
 from .sampling import process_logits, sample
 
-DRAFTERS = ("model", "prompt-lookup")
+DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 
 
 @dataclass(frozen=True)

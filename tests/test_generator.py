@@ -25,7 +25,7 @@ def self_gen(tiny_self_draft_bundle):
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup", "lookup+model"])
 def test_greedy_speculative_equals_plain(gen, k, drafter):
     for prompt in PROMPTS:
         plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
@@ -55,14 +55,19 @@ def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0),
                                       dict(temperature=0.7, top_k=8, top_p=0.9),
-                                      dict(temperature=1.0, draft_threshold=0.3)])
+                                      dict(temperature=1.0, draft_threshold=0.3),
+                                      dict(temperature=1.0, drafter="lookup+model",
+                                           prompt_ids=(1, 10, 7, 1, 10))])
 def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
     """Two-sample chi-square on the joint of the first two generated tokens.
 
     N = 1500 generations per arm (seeds 0.. and 10000..), alpha = 0.001. The draft is the
-    target's first layer, so p != q and rejections and residual draws really happen.
+    target's first layer, so p != q and rejections and residual draws really happen. With
+    lookup+model, the prompt ends in a bigram it contains: when t1 repeats what followed it,
+    t2 is drafted by lookup, otherwise by the model.
     """
-    plain = first_two_tokens(gen, 1500, 0, use_draft=False, **sampling)
+    arm = {k: v for k, v in sampling.items() if k != "drafter"}
+    plain = first_two_tokens(gen, 1500, 0, use_draft=False, **arm)
     spec = first_two_tokens(gen, 1500, 10_000, draft_tokens=2, **sampling)
     assert two_sample_pvalue(plain, spec) > 0.001
 
@@ -144,6 +149,25 @@ def test_stats_are_consistent(gen):
     parts = sum(s[k] for k in ("time_prefill_s", "time_draft_s", "time_target_s",
                                "time_sampling_s", "time_other_s"))
     assert parts == pytest.approx(s["time_total_s"], rel=1e-6)
+
+
+def test_lookup_then_model_uses_lookup_only_for_matches_of_two_tokens_or_more():
+    from specedge.runtime.drafters import LookupThenModelDrafter
+
+    class FakeModel:
+        calls = 0
+
+        def propose(self, context, k, sampling, rng, threshold=0.0):
+            self.calls += 1
+            return [99] * k, "q rows"
+
+    d = LookupThenModelDrafter(FakeModel())
+    rng = np.random.default_rng(0)
+    assert d.propose([5, 6, 7, 8, 1, 5, 6], 2, Sampling(), rng) == ([7, 8], None)
+    assert d.calls == 1
+    # Only a one-token match ("6"): the model drafts, with its own q.
+    assert d.propose([5, 6, 7, 8, 1, 6], 2, Sampling(), rng) == ([99, 99], "q rows")
+    assert d.calls == 3 and d.model.calls == 1
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_last_match():

@@ -8,12 +8,21 @@ import numpy as np
 from scipy.stats import chi2_contingency
 
 
-def first_two_tokens(gen, n: int, seed0: int, **kwargs) -> Counter:
-    """Counts of (t1, t2) over n generations with seeds seed0 .. seed0 + n - 1."""
-    pairs = Counter()
+def first_two_tokens(gen, n: int, seed0: int, prompt_ids=(1, 10, 7), **kwargs) -> Counter:
+    """Counts of (t1, t2) over n generations with seeds seed0 .. seed0 + n - 1.
+
+    Three tokens are generated: the loop never drafts into the last slot, so with two the
+    second token would always come from a plain step. With three, t2 is the verified first
+    draft token, or the residual or bonus draw that replaces it.
+    """
+    pairs, drafted = Counter(), 0
     for i in range(n):
-        out = gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=2, seed=seed0 + i, **kwargs)
+        out = gen.generate(prompt_ids=list(prompt_ids), max_new_tokens=3, seed=seed0 + i,
+                           **kwargs)
         pairs[tuple(out.token_ids[:2])] += 1
+        drafted += out.stats["drafted_tokens"]
+    if kwargs.get("use_draft", True) and gen.draft is not None:
+        assert drafted > 0, "the speculative arm never drafted: it would test plain decoding"
     return pairs
 
 
