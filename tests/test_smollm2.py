@@ -42,7 +42,7 @@ def test_bundle_is_the_real_model(gen):
 
 
 @pytest.mark.parametrize("drafter,k", [("model", 4), ("model", 2), ("model", "auto"),
-                                       ("prompt-lookup", 5)])
+                                       ("prompt-lookup", 5), ("lookup+model", 3)])
 def test_speculative_equals_plain(gen, plain_outputs, drafter, k):
     total, accepted = 0, 0
     for prompt, plain in zip(PROMPTS, plain_outputs):
