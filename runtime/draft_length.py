@@ -16,10 +16,12 @@ scripts/bench_verify_cost.py), so auto measures v per T instead of assuming it f
 is plain decoding: auto falls back to it when no K pays, and a poor draft then costs only
 the probes below.
 
-The beta_i are measured over the generation so far (stats.py), each smoothed towards the
-rate pooled over positions, which is smoothed by a prior. v and d are
-properties of the machine and the models, so `StepCosts` keeps them across generations;
-a T not measured yet is estimated linearly from the T that are. A K is only measured where
+The beta_i and the costs are measured over the recent steps of the same drafter and
+sampling mode, across generations (`StepHistory`): acceptance counts decay with age (a
+window of about HISTORY steps), so a new generation starts from what the last ones
+measured instead of from a prior, yet auto follows a change of task within a generation.
+Each beta_i is smoothed towards the rate pooled over positions, which is smoothed by a prior.
+A T not measured yet is estimated linearly from the T that are. A K is only measured where
 it is used, so every PROBE_EVERY steps auto tries one K more, and half-way one K less, than
 its choice. K follows measured times, so with `auto` a seed fixes the distribution but not
 the exact text of a sampled generation.
@@ -31,18 +33,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .stats import StepClock
-
 AUTO_MAX_K = 8
 # Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7),
 # a small draft cost and a moderate growth of the verification cost with T, so the first
 # steps draft a moderate K and start measuring.
 PRIOR_EXAMINED, PRIOR_ACCEPTED = 4.0, 2.8
+PRIOR_C = 0.1          # d / v(1)
+PRIOR_SLOPE = 0.15     # (v(T) - v(1)) / (v(1) (T - 1)) until two T are measured
 POSITION_WEIGHT = 4.0  # pseudo-observations of the pooled rate in each position's rate
-PRIOR_C = 0.1       # d / v(1)
-PRIOR_SLOPE = 0.15  # (v(T) - v(1)) / (v(1) (T - 1)) until two T are measured
+HISTORY = 64           # steps: acceptance counts decay by 1 - 1 / HISTORY per step
+SMOOTHING = 0.2        # weight of a new observation in the running cost estimates
 PROBE_EVERY = 16
-SMOOTHING = 0.2     # weight of a new observation in the running cost estimates
 
 
 def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[float],
@@ -55,32 +56,42 @@ def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[floa
                key=lambda k: (expected[k] / (k * draft_cost + verify_cost[k + 1]), -k))
 
 
-def position_betas(clock: StepClock, k_max: int) -> list[float]:
-    """beta_1 .. beta_k_max measured by `clock`, smoothed as the module docstring says."""
-    pooled = (clock.accepted + PRIOR_ACCEPTED) / (clock.examined + PRIOR_EXAMINED)
-    tries = clock.position_tries + [0] * k_max
-    accepts = clock.position_accepts + [0] * k_max
-    return [min((accepts[i] + POSITION_WEIGHT * pooled) / (tries[i] + POSITION_WEIGHT), 0.999)
-            for i in range(k_max)]
-
-
 def _smooth(old: float | None, new: float) -> float:
     return new if old is None else old + SMOOTHING * (new - old)
 
 
-class StepCosts:
-    """Running estimates of v(T) and d, in seconds."""
+class StepHistory:
+    """Recent steps of one drafter and sampling mode: running estimates of v(T) and d, in
+    seconds, and acceptance counts per draft position that decay with age."""
 
     def __init__(self) -> None:
         self.verify: dict[int, float] = {}
         self.draft: float | None = None
+        self.tries = np.zeros(AUTO_MAX_K)
+        self.accepts = np.zeros(AUTO_MAX_K)
+        self.steps = 0
 
-    def observe(self, t: int, seconds: float, draft_seconds: float = 0.0,
+    def observe(self, drafted: int, accepted: int, seconds: float, draft_seconds: float = 0.0,
                 draft_calls: int = 0) -> None:
-        """One step: a target step on `t` tokens, after `draft_calls` draft steps."""
+        """One step: `draft_calls` draft steps proposed `drafted` tokens, the target step on
+        drafted + 1 tokens took `seconds` and accepted `accepted` of them."""
+        t = drafted + 1
         self.verify[t] = _smooth(self.verify.get(t), seconds)
         if draft_calls:
             self.draft = _smooth(self.draft, draft_seconds / draft_calls)
+        # Positions up to the first rejection were examined (stats.py); later ones untested.
+        examined = min(drafted, accepted + 1, AUTO_MAX_K)
+        self.tries *= 1.0 - 1.0 / HISTORY
+        self.accepts *= 1.0 - 1.0 / HISTORY
+        self.tries[:examined] += 1.0
+        self.accepts[:min(accepted, AUTO_MAX_K)] += 1.0
+        self.steps += 1
+
+    def betas(self, k_max: int) -> np.ndarray:
+        """beta_1 .. beta_k_max, smoothed as the module docstring says."""
+        pooled = (self.accepts.sum() + PRIOR_ACCEPTED) / (self.tries.sum() + PRIOR_EXAMINED)
+        return np.minimum((self.accepts[:k_max] + POSITION_WEIGHT * pooled) /
+                          (self.tries[:k_max] + POSITION_WEIGHT), 0.999)
 
     def verify_costs(self, t_max: int) -> list[float]:
         """v(T) for T = 0 .. t_max (v(0) unused): measured where it was, interpolated
@@ -108,14 +119,13 @@ class StepCosts:
         return self.draft if self.draft is not None else PRIOR_C * verify_one
 
 
-def auto_k(clock: StepClock, costs: StepCosts, k_max: int = AUTO_MAX_K) -> int:
-    """best_k for the acceptance measured by `clock` and the costs in `costs`, with a
-    probe of K + 1 or K - 1 on every PROBE_EVERY / 2-th step."""
-    verify = costs.verify_costs(k_max + 1)
-    k = best_k(position_betas(clock, k_max), costs.draft_cost(verify[1]), verify, k_max)
-    step = clock.calls["target"]
-    if step % PROBE_EVERY == PROBE_EVERY // 2:
+def auto_k(history: StepHistory, k_max: int = AUTO_MAX_K) -> int:
+    """best_k for the acceptance and costs in `history`, with a probe of K + 1 or K - 1 on
+    every PROBE_EVERY / 2-th step."""
+    verify = history.verify_costs(k_max + 1)
+    k = best_k(history.betas(k_max), history.draft_cost(verify[1]), verify, k_max)
+    if history.steps % PROBE_EVERY == PROBE_EVERY // 2:
         return min(k + 1, k_max)
-    if step and step % PROBE_EVERY == 0:
+    if history.steps and history.steps % PROBE_EVERY == 0:
         return max(k - 1, 0)
     return k

@@ -19,7 +19,7 @@ import numpy as np
 
 from .backends import load_backend
 from .bundle import load_bundle
-from .draft_length import StepCosts, auto_k
+from .draft_length import StepHistory, auto_k
 from .drafters import LookupThenModelDrafter, ModelDrafter, PromptLookupDrafter
 from .kv_cache import KVCache, capacity_for
 from .params import (
@@ -55,9 +55,9 @@ class Generator:
         self._cache: KVCache | None = None
         self._model_drafter = ModelDrafter(draft) if draft is not None else None
         self._choice = choice_for(target)
-        # Step times for `auto`, kept across generations, per (drafter, greedy): the draft
-        # step and the choice of tokens from K + 1 rows cost differently for each.
-        self._costs: dict[tuple[str, bool], StepCosts] = {}
+        # What recent steps cost and accepted, for `auto`, kept across generations, per
+        # (drafter, greedy): drafts, and the choice of tokens from K + 1 rows, differ.
+        self._history: dict[tuple[str, bool], StepHistory] = {}
 
     @classmethod
     def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
@@ -176,8 +176,8 @@ class Generator:
         cache.rollback(0)
 
         choice = self._choice
-        costs = self._costs.setdefault((drafter.name if drafter else "none", sampling.greedy),
-                                       StepCosts())
+        history = self._history.setdefault(
+            (drafter.name if drafter else "none", sampling.greedy), StepHistory())
         with clock.time("prefill"):
             rows = choice.run(self.target, cache, prompt, 1)
             if drafter:
@@ -190,8 +190,7 @@ class Generator:
         generated = 1
         while generated < max_new:
             # Never draft past max_new_tokens: the last slot is the target's own token.
-            k = min(auto_k(clock, costs, k_max) if auto else k_max,
-                    max_new - generated - 1)
+            k = min(auto_k(history, k_max) if auto else k_max, max_new - generated - 1)
             drafts, q, draft_calls = [], None, 0
             if drafter and k > 0:
                 calls = drafter.calls
@@ -204,8 +203,8 @@ class Generator:
             with clock.time("sampling"):
                 n, token = choice.verify(rows, drafts, q, sampling, rng)
             clock.record_step(len(drafts), n)
-            costs.observe(len(drafts) + 1, clock.last["target"] + clock.last["sampling"],
-                          clock.last["draft"], draft_calls)
+            history.observe(len(drafts), n, clock.last["target"] + clock.last["sampling"],
+                            clock.last["draft"], draft_calls)
             # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
             cache.rollback(len(context) + n)
             if drafter:

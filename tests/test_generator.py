@@ -213,45 +213,53 @@ def test_best_k_uses_the_acceptance_of_each_position():
     """E(K) = 1 + sum_i beta_1 ... beta_i: a draft weak at the first position but strong
     after it (prompt lookup copying a span) is worth a long K, or none; one i.i.d. rate
     with the same pooled value would pick a short K."""
-    from specedge.runtime.draft_length import best_k, position_betas
-    from specedge.runtime.stats import StepClock
+    from specedge.runtime.draft_length import best_k
 
     growing = [1.0 + 0.15 * (t - 1) for t in range(10)]
     assert best_k([0.6] + [0.95] * 7, 0.0, growing, 8) == 8
     assert best_k([0.6] * 8, 0.0, growing, 8) == 2
     assert best_k([0.1] + [0.95] * 7, 0.0, growing, 8) == 0
-    clock = StepClock()
+    from specedge.runtime.draft_length import HISTORY, StepHistory
+
+    history = StepHistory()
     for _ in range(50):
-        clock.record_step(drafted=3, accepted=0)
-        clock.record_step(drafted=3, accepted=3)
-    betas = position_betas(clock, 4)
-    assert betas[0] == pytest.approx((50 + 4 * 152.8 / 204) / 104)
+        history.observe(drafted=3, accepted=0, seconds=0.01)
+        history.observe(drafted=3, accepted=3, seconds=0.01)
+    betas = history.betas(4)
+    decay = 1 - 1 / HISTORY
+    # Position 1 was examined every step and accepted every other one; counts decay with age.
+    tries = sum(decay ** a for a in range(100))
+    accepts = sum(decay ** a for a in range(0, 100, 2))
+    assert history.tries[0] == pytest.approx(tries)
+    assert history.accepts[0] == pytest.approx(accepts)
+    pooled = (history.accepts.sum() + 2.8) / (history.tries.sum() + 4)
+    assert betas[0] == pytest.approx((accepts + 4 * pooled) / (tries + 4))
     assert betas[1] > 0.95 and betas[2] > 0.95
-    assert betas[3] == pytest.approx(152.8 / 204)   # never tried: the pooled rate
+    assert betas[3] == pytest.approx(pooled)   # never tried: the pooled rate
 
 
 def test_step_costs_measure_interpolate_and_extrapolate():
-    from specedge.runtime.draft_length import PRIOR_C, PRIOR_SLOPE, SMOOTHING, StepCosts
+    from specedge.runtime.draft_length import PRIOR_C, PRIOR_SLOPE, SMOOTHING, StepHistory
 
-    costs = StepCosts()
+    costs = StepHistory()
     prior = costs.verify_costs(4)
     assert prior[1:] == pytest.approx([1 + PRIOR_SLOPE * t for t in range(4)])
     assert costs.draft_cost(2.0) == pytest.approx(PRIOR_C * 2.0)
-    costs.observe(3, 0.013, draft_seconds=0.004, draft_calls=2)
+    costs.observe(2, 0, 0.013, draft_seconds=0.004, draft_calls=2)
     assert costs.draft == pytest.approx(0.002)
     # One T measured: the prior's shape through it.
     assert costs.verify_costs(3)[1] == pytest.approx(0.013 / (1 + 2 * PRIOR_SLOPE))
-    costs.observe(5, 0.017)
-    costs.observe(1, 0.010)
+    costs.observe(4, 0, 0.017)
+    costs.observe(0, 0, 0.010)
     v = costs.verify_costs(7)
     assert v[1] == pytest.approx(0.010) and v[3] == pytest.approx(0.013)
     assert v[2] == pytest.approx(0.0115) and v[4] == pytest.approx(0.015)   # between
     assert v[7] == pytest.approx(0.021)                # beyond: the slope of the last two
-    costs.observe(1, 0.020)
+    costs.observe(0, 0, 0.020)
     assert costs.verify_costs(1)[1] == pytest.approx(0.010 + SMOOTHING * 0.010)
-    falling = StepCosts()
-    falling.observe(2, 0.02)
-    falling.observe(3, 0.01)   # noise: v must not fall with T, nor collapse below it
+    falling = StepHistory()
+    falling.observe(1, 0, 0.02)
+    falling.observe(2, 0, 0.01)   # noise: v must not fall with T, nor collapse below it
     assert falling.verify_costs(5)[5] == pytest.approx(0.01)
     assert falling.verify_costs(5)[1] == pytest.approx(0.02)
 
@@ -290,39 +298,56 @@ def test_acceptance_counts_only_examined_drafts():
 
 
 def test_auto_k_reads_the_measured_acceptance_and_cost_and_probes():
-    from specedge.runtime.draft_length import PROBE_EVERY, StepCosts, auto_k
-    from specedge.runtime.stats import StepClock
+    from specedge.runtime.draft_length import PROBE_EVERY, StepHistory, auto_k
 
-    clock, costs = StepClock(), StepCosts()
-    assert 1 <= auto_k(clock, costs) <= 8  # the priors alone draft
-    clock.examined, clock.accepted = 400, 390
-    clock.calls["target"] = 1
-    for t in range(1, 10):
-        costs.observe(t, 0.010, draft_seconds=0.0001, draft_calls=1)   # flat, c = 0.01
-    assert auto_k(clock, costs) == 8
-    clock.accepted = 40
-    costs.observe(2, 0.010, draft_seconds=0.2, draft_calls=1)          # a costly draft
-    assert auto_k(clock, costs) == 0
-    clock.calls["target"] = PROBE_EVERY // 2
-    assert auto_k(clock, costs) == 1      # the probe keeps measuring acceptance
-    clock.calls["target"] = PROBE_EVERY
-    assert auto_k(clock, costs) == 0      # K - 1, floored at plain decoding
-    clock.accepted = 390
-    costs.draft = 0.0001
-    assert auto_k(clock, costs) == 7      # K - 1
+    history = StepHistory()
+    assert 1 <= auto_k(history) <= 8  # the priors alone draft
+    for t in range(1, 10):                          # flat verification cost, c = 0.01
+        history.observe(t - 1, t - 1, 0.010, draft_seconds=0.0001, draft_calls=1)
+    for _ in range(40):
+        history.observe(8, 8, 0.010, draft_seconds=0.0008, draft_calls=8)
+    history.steps = 1
+    assert auto_k(history) == 8
+    for _ in range(300):                            # a poor, costly draft
+        history.observe(1, 0, 0.010, draft_seconds=0.2, draft_calls=1)
+    history.steps = 1
+    assert auto_k(history) == 0
+    history.steps = PROBE_EVERY // 2
+    assert auto_k(history) == 1      # the probe keeps measuring acceptance
+    history.steps = PROBE_EVERY
+    assert auto_k(history) == 0      # K - 1, floored at plain decoding
+
+
+def test_auto_starts_a_generation_from_what_the_last_ones_measured():
+    from specedge.runtime.draft_length import StepHistory, auto_k
+
+    history = StepHistory()
+    history.verify = {t: 0.010 * (1 + 0.15 * (t - 1)) for t in range(1, 10)}
+    history.draft = 0.001
+    first = auto_k(history)          # no acceptance measured: the prior, beta = 0.7
+    for _ in range(64):              # one generation of a draft rejected at once
+        history.observe(2, 0, 0.0115, draft_seconds=0.001, draft_calls=2)
+    history.steps = 1
+    assert first >= 2 and auto_k(history) == 0
 
 
 def test_auto_falls_back_to_plain_decoding_when_no_draft_pays(gen, monkeypatch):
     """Verification made to look costly: auto then decodes almost only with K = 0 (the
     probes aside), and the tokens are still the target's."""
-    from specedge.runtime.draft_length import PROBE_EVERY, StepCosts
+    from specedge.runtime.draft_length import PROBE_EVERY, StepHistory
 
     plain = gen.generate("the cat sat", raw=True, max_new_tokens=48, use_draft=False)
-    costs = StepCosts()
-    costs.verify = {1: 0.001, 2: 1.0, 3: 2.0}
-    costs.draft = 0.001
-    monkeypatch.setitem(gen._costs, ("model", True), costs)
-    monkeypatch.setattr(costs, "observe", lambda *a, **k: None)   # keep the staged costs
+    history = StepHistory()
+    history.verify = {1: 0.001, 2: 1.0, 3: 2.0}
+    history.draft = 0.001
+    monkeypatch.setitem(gen._history, ("model", True), history)
+    staged, observe = dict(history.verify), history.observe
+
+    def keep_staged_costs(*args, **kwargs):
+        observe(*args, **kwargs)
+        history.verify, history.draft = dict(staged), 0.001
+
+    monkeypatch.setattr(history, "observe", keep_staged_costs)
     auto = gen.generate("the cat sat", raw=True, max_new_tokens=48, draft_tokens="auto")
     assert auto.token_ids == plain.token_ids
     assert 1 <= auto.stats["drafted_tokens"] <= 47 // (PROBE_EVERY // 2) + 1
