@@ -219,6 +219,9 @@ def test_best_k_uses_the_acceptance_of_each_position():
     assert best_k([0.6] + [0.95] * 7, 0.0, growing, 8) == 8
     assert best_k([0.6] * 8, 0.0, growing, 8) == 2
     assert best_k([0.1] + [0.95] * 7, 0.0, growing, 8) == 0
+
+
+def test_history_counts_acceptance_per_position_with_decay():
     from specedge.runtime.draft_length import HISTORY, StepHistory
 
     history = StepHistory()
@@ -238,7 +241,7 @@ def test_best_k_uses_the_acceptance_of_each_position():
     assert betas[3] == pytest.approx(pooled)   # never tried: the pooled rate
 
 
-def test_step_costs_measure_interpolate_and_extrapolate():
+def test_history_measures_interpolates_and_extrapolates_costs():
     from specedge.runtime.draft_length import PRIOR_C, PRIOR_SLOPE, SMOOTHING, StepHistory
 
     costs = StepHistory()
