@@ -21,8 +21,9 @@ def add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-tokens", type=_k, default=4,
-                   help="K, tokens drafted per step, or 'auto' (default 4)")
+    p.add_argument("--draft-tokens", type=_k, default=None,
+                   help="K, tokens drafted per step, or 'auto' (default: auto when greedy, "
+                   "2 when sampling, so that --seed fixes the text)")
     p.add_argument("--draft-threshold", type=float, default=0.0,
                    help="stop drafting when the draft's probability for its token is below "
                    "this (0 = off)")

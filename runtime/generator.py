@@ -86,7 +86,7 @@ class Generator:
     def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = 0, draft_tokens: int | str = 4,
+               top_p: float = 1.0, seed: int | None = 0, draft_tokens: int | str | None = None,
                use_draft: bool = True, drafter: str = "model", draft_threshold: float = 0.0,
                stop: str | Sequence[str] | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
@@ -94,16 +94,17 @@ class Generator:
         Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
         `prompt_ids` or `messages`. `temperature=0` is greedy; `draft_tokens` is K, or
         "auto" to pick K as generation runs (K then follows measured times, so a seed fixes
-        the distribution but not the exact sampled text); `draft_threshold` stops drafting
+        the distribution but not the exact sampled text); by default auto when greedy and
+        2 when sampling (params.check_draft_tokens); `draft_threshold` stops drafting
         after a token whose draft probability is below it; `use_draft=False` is plain
         target-only decoding in the same loop. With a stop string, `token_ids` ends with the
         token that completes the text.
         """
         ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-        k_max, auto = check_draft_tokens(draft_tokens)
-        threshold = check_threshold(draft_threshold)
         sampling = Sampling(temperature, top_k, top_p)
+        k_max, auto = check_draft_tokens(draft_tokens, sampling.greedy)
+        threshold = check_threshold(draft_threshold)
         proposer = self._drafter(check_drafter(drafter)) if use_draft else None
         context_limit = self.max_context(proposer)
         if len(ids) + max_new_tokens > context_limit:

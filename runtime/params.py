@@ -56,10 +56,20 @@ def check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def check_draft_tokens(value: object) -> tuple[int, bool]:
-    """(K, auto): an integer K >= 1, or "auto" (K chosen up to AUTO_MAX_K as it runs)."""
+SAMPLED_DEFAULT_K = 2
+
+
+def check_draft_tokens(value: object, greedy: bool) -> tuple[int, bool]:
+    """(K, auto): an integer K >= 1, or "auto" (K chosen up to AUTO_MAX_K as it runs).
+
+    None is the default: auto when greedy, where the tokens do not depend on K; a fixed
+    SAMPLED_DEFAULT_K when sampling, since auto's K follows measured times and a seed would
+    then fix the distribution but not the text.
+    """
     from .draft_length import AUTO_MAX_K
 
+    if value is None:
+        value = "auto" if greedy else SAMPLED_DEFAULT_K
     if value == "auto":
         return AUTO_MAX_K, True
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

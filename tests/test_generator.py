@@ -79,6 +79,16 @@ def test_two_sample_check_has_power(gen):
     assert two_sample_pvalue(a, b) < 0.001
 
 
+def test_default_draft_length_is_auto_when_greedy_and_fixed_when_sampling(gen):
+    """Greedy tokens do not depend on K, so the default adapts it; sampled tokens do (for
+    a seed), so the default keeps K fixed and a seed fixes the text."""
+    from specedge.runtime.params import SAMPLED_DEFAULT_K
+
+    assert gen.generate("hello", raw=True, max_new_tokens=8).stats["draft_tokens_k"] == "auto"
+    sampled = gen.generate("hello", raw=True, max_new_tokens=8, temperature=0.8)
+    assert sampled.stats["draft_tokens_k"] == SAMPLED_DEFAULT_K
+
+
 def test_sampling_is_reproducible_with_a_seed(gen):
     a = gen.generate("hello", raw=True, temperature=0.9, seed=5, max_new_tokens=30)
     b = gen.generate("hello", raw=True, temperature=0.9, seed=5, max_new_tokens=30)
