@@ -33,6 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .stats import examined_positions
+
 AUTO_MAX_K = 8
 # Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7),
 # a small draft cost and a moderate growth of the verification cost with T, so the first
@@ -79,8 +81,7 @@ class StepHistory:
         self.verify[t] = _smooth(self.verify.get(t), seconds)
         if draft_calls:
             self.draft = _smooth(self.draft, draft_seconds / draft_calls)
-        # Positions up to the first rejection were examined (stats.py); later ones untested.
-        examined = min(drafted, accepted + 1, AUTO_MAX_K)
+        examined = min(examined_positions(drafted, accepted), AUTO_MAX_K)
         self.tries *= 1.0 - 1.0 / HISTORY
         self.accepts *= 1.0 - 1.0 / HISTORY
         self.tries[:examined] += 1.0

@@ -48,7 +48,7 @@ class StepClock:
     def record_step(self, drafted: int, accepted: int) -> None:
         """Positions 0 .. min(drafted, accepted + 1) - 1 were examined, the first `accepted`
         of them accepted."""
-        examined = min(drafted, accepted + 1)
+        examined = examined_positions(drafted, accepted)
         grow = drafted - len(self.position_tries)
         if grow > 0:
             self.position_tries += [0] * grow
@@ -63,6 +63,11 @@ class StepClock:
 
     def finish(self) -> None:
         self.end = time.perf_counter()
+
+
+def examined_positions(drafted: int, accepted: int) -> int:
+    """Draft positions tested by a step: up to and including the first rejection."""
+    return min(drafted, accepted + 1)
 
 
 def expected_tokens_per_call(beta: float, k: float) -> float:
