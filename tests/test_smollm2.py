@@ -53,7 +53,9 @@ def test_speculative_equals_plain(gen, plain_outputs, drafter, k):
         accepted += spec.stats["accepted_tokens"]
     assert total == NEW_TOKENS * len(PROMPTS)
     # Multi-token acceptance really happens, so the test covers the accept/rollback paths.
-    assert accepted > (0.1 * total if drafter == "model" else 0)
+    # A fixed K drafts every step; auto may decode plainly where drafting does not pay on
+    # this machine (how often depends on measured times), so it is held only to acceptance.
+    assert accepted > (0.1 * total if drafter == "model" and k != "auto" else 0)
 
 
 def test_fp32_graph_is_batch_invariant(gen):
