@@ -20,14 +20,15 @@ import onnx
 from tqdm import tqdm
 
 from specedge import __version__
-from specedge.runtime.bundle import FORMAT_VERSION, KV_LAYOUT, MANIFEST
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, FORMAT_VERSION, KV_LAYOUT, MANIFEST
 
 from .distill import check_distilled_draft, is_distilled_draft, load_draft
 from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
+from .feature_draft import FeatureDraft
 from .graph import OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
 from .quantize import PERPLEXITY_TEXT, PRECISIONS, quantization_report, quantize_graph
 from .sources import load_model, resolve_checkpoint
-from .verify import verify_graph
+from .verify import graph_features, verify_feature_draft, verify_graph
 
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -35,12 +36,14 @@ _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16
            onnx.TensorProto.INT64: "int64"}
 
 
-def _io_spec(graph: onnx.GraphProto, dims: dict) -> tuple[list[dict], list[dict]]:
+def _io_spec(graph: onnx.GraphProto, dims: dict, features: int) -> tuple[list[dict],
+                                                                          list[dict]]:
     """Names and dtypes as the graph has them; shapes as the contract states them (the
     exporter leaves some static dims symbolic)."""
     kv = [1, dims["num_kv_heads"], None, dims["head_dim"]]
     shapes = {"input_ids": [1, "T"], "position_ids": [1, "T"], "past_length": [1],
-              "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]]}
+              "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]],
+              FEATURES_IN: [1, "T", features], FEATURES_OUT: [1, "T", features]}
 
     def entry(v) -> dict:
         elem = v.type.tensor_type.elem_type
@@ -54,12 +57,16 @@ def _io_spec(graph: onnx.GraphProto, dims: dict) -> tuple[list[dict], list[dict]
 def _model_entry(model, path: Path, max_context: int | None, precision: str) -> dict:
     dims = model_dims(model)
     graph = onnx.load(str(path), load_external_data=False).graph
-    inputs, outputs = _io_spec(graph, dims)
+    features, reads = graph_features(path)
+    inputs, outputs = _io_spec(graph, dims, features)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
-    return {"file": path.name, "architecture": model.config.model_type, **dims,
-            "dtype": "float32", "precision": precision, "kv_layout": KV_LAYOUT,
-            "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+    entry = {"file": path.name, "architecture": model.config.model_type, **dims,
+             "dtype": "float32", "precision": precision, "kv_layout": KV_LAYOUT,
+             "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+    if features:
+        entry |= {"features": features, "reads_features": reads}
+    return entry
 
 
 def _special_tokens(model, tokenizer) -> dict:
@@ -180,7 +187,9 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         progress.set_postfix_str("export target graph")
         # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
         share_head = precision in ("fp32", "fp16")
-        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head)
+        feature_draft = isinstance(draft_model, FeatureDraft)
+        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head,
+                    features=feature_draft)
         progress.update()
         progress.set_postfix_str("export draft graph")
         if draft_model is not None:
@@ -191,9 +200,10 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
         if verify:
             progress.set_postfix_str("verify graphs")
-            for role, m in (("target", target), ("draft", draft_model)):
-                if m is not None:
-                    report[role] = verify_graph(m, tmp / f"{role}.onnx", prompt)
+            report["target"] = verify_graph(target, tmp / "target.onnx", prompt)
+            if draft_model is not None:
+                check = verify_feature_draft if feature_draft else verify_graph
+                report["draft"] = check(draft_model, tmp / "draft.onnx", prompt)
             progress.update()
         quantization = None
         if precision != "fp32":

@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def run_distill(args: argparse.Namespace) -> None:
-    cfg = DistillConfig(target=args.target, layers=args.layers, head_tokens=args.head_tokens,
-                        prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
-                        seed=args.seed)
+    cfg = DistillConfig(target=args.target, kind=args.kind, layers=args.layers,
+                        head_tokens=args.head_tokens, prompts=args.prompts,
+                        new_tokens=args.new_tokens, epochs=args.epochs, seed=args.seed)
     try:
         meta = distill(args.out, cfg)
     except (ValueError, RuntimeError, OSError) as e:
@@ -79,7 +79,8 @@ def run_distill(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         fail(f"interrupted; run the same command again to resume from {args.out}/work")
     report = meta["report"]
-    print(f"draft: {meta['num_layers']} layers, {len(meta['head_token_ids'])} head tokens, "
+    print(f"{meta['kind']} draft: {meta['num_layers']} layers, "
+          f"{len(meta['head_token_ids'])} head tokens, "
           f"trained on {meta['answer_tokens']} target tokens in {meta['seconds']} s; "
           f"held-out top-1 agreement with the target {report['val_top1_agreement']:.2f}",
           file=sys.stderr)

@@ -35,7 +35,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from .feature_draft import FeatureDraft, feature_loss
+
 DRAFT_META = "specedge_draft.json"
+DRAFT_KINDS = ("model", "feature")
 DRAFT_WEIGHTS = "weights.safetensors"
 
 # Topics of the bench prompts (bench/prompts.jsonl) are left out, so the bench measures the
@@ -106,6 +109,7 @@ class DistillConfig:
     lr: float = 1e-3
     seed: int = 0
     top_k: int = 32
+    kind: str = "model"  # "model": layers on tokens; "feature": export/feature_draft.py
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
                    "seed", "top_k")
@@ -132,11 +136,20 @@ def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
              for p in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
-    with torch.no_grad():
-        sampling = {"temperature": 0.7, "top_k": 0, "top_p": 1.0} if sampled else {}
-        out = model.generate(**enc, max_new_tokens=cfg.new_tokens, do_sample=sampled,
-                             return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=tokenizer.pad_token_id or 0, **sampling)
+    # The target's features (its final-norm output, what its head reads) at every position,
+    # for a feature draft (export/feature_draft.py); captured as generation runs them.
+    features = []
+    hook = model.model.norm.register_forward_hook(
+        lambda module, args, out: features.append(out.to(torch.float16)))
+    try:
+        with torch.no_grad():
+            sampling = {"temperature": 0.7, "top_k": 0, "top_p": 1.0} if sampled else {}
+            out = model.generate(**enc, max_new_tokens=cfg.new_tokens, do_sample=sampled,
+                                 return_dict_in_generate=True, output_logits=True,
+                                 pad_token_id=tokenizer.pad_token_id or 0, **sampling)
+    finally:
+        hook.remove()
+    features = torch.cat(features, dim=1)  # [B, prompt width + new - 1, H]
     logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
     top = torch.log_softmax(logits, dim=-1).topk(cfg.top_k, dim=-1)
     eos = set(model.generation_config.eos_token_id
@@ -151,7 +164,10 @@ def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
         shard.append({"ids": torch.tensor(prompt + answer[:n], dtype=torch.int32),
                       "start": len(prompt) - 1,  # the position that predicts answer[0]
                       "top_ids": top.indices[b, :n].to(torch.int32),
-                      "top_logp": top.values[b, :n].to(torch.float16)})
+                      "top_logp": top.values[b, :n].to(torch.float16),
+                      # every position but the last token's, which no step ran
+                      "features": features[b, prompt_width - len(prompt):
+                                           prompt_width + n - 1].clone()})
     return shard
 
 
@@ -214,6 +230,25 @@ def attach_head(draft, head_ids: torch.Tensor) -> None:
     draft.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
 
 
+def head_columns(head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token id -> column of the draft's head, -1 for tokens outside it."""
+    to_head = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_head[head_ids] = torch.arange(len(head_ids))
+    return to_head
+
+
+def top_k_cross_entropy(head_logits: torch.Tensor, ex: dict, to_head: torch.Tensor
+                        ) -> tuple[torch.Tensor, int]:
+    """Sum over one answer's positions of the cross-entropy of the draft's head distribution
+    against the target's renormalised top-k, and how often the two argmaxes agree."""
+    logq = torch.log_softmax(head_logits, dim=-1)
+    cols = to_head[ex["top_ids"].long()]
+    p = torch.where(cols >= 0, ex["top_logp"].float().exp(), torch.zeros(()))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    return -(p * logq.gather(1, cols.clamp_min(0))).sum(), int((logq.argmax(-1) ==
+                                                                 cols[:, 0]).sum())
+
+
 def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tensor, float]:
     """Cross-entropy of the draft's head distribution against the target's top-k."""
     width = max(len(ex["ids"]) for ex in batch)
@@ -223,21 +258,22 @@ def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tenso
         ids[b, :len(ex["ids"])] = ex["ids"].long()
         mask[b, :len(ex["ids"])] = 1
     hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    to_head = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-    to_head[head_ids] = torch.arange(len(head_ids))
+    to_head = head_columns(head_ids, draft.config.vocab_size)
     head_w = draft.model.embed_tokens.weight[head_ids]
     total, agree, count = 0.0, 0, 0
     for b, ex in enumerate(batch):
         n = len(ex["top_ids"])
-        h = hidden[b, ex["start"]:ex["start"] + n]
-        logq = torch.log_softmax(h @ head_w.T, dim=-1)
-        cols = to_head[ex["top_ids"].long()]
-        p = torch.where(cols >= 0, ex["top_logp"].float().exp(), torch.zeros(()))
-        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-        total = total - (p * logq.gather(1, cols.clamp_min(0))).sum()
-        agree += int((logq.argmax(-1) == cols[:, 0]).sum())
-        count += n
+        ce, hits = top_k_cross_entropy(hidden[b, ex["start"]:ex["start"] + n] @ head_w.T, ex,
+                                       to_head)
+        total, agree, count = total + ce, agree + hits, count + n
     return total / count, agree / count
+
+
+def _batch_loss(draft, head_ids: torch.Tensor, batch: list[dict]
+                ) -> tuple[torch.Tensor, float]:
+    if isinstance(draft, FeatureDraft):
+        return feature_loss(draft, batch)
+    return _loss(draft, head_ids, batch)
 
 
 def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
@@ -268,7 +304,7 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
                file=sys.stderr)
     draft.train()
     while step < total_steps:
-        loss, agree = _loss(draft, head_ids, [train_set[i] for i in orders[step]])
+        loss, agree = _batch_loss(draft, head_ids, [train_set[i] for i in orders[step]])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -286,7 +322,7 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
     bar.close()
     draft.eval()
     with torch.no_grad():
-        losses = [_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
+        losses = [_batch_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
                   range(0, len(val), cfg.batch)]
     return {"val_loss": sum(x[0].item() for x in losses) / len(losses),
             "val_top1_agreement": sum(x[1] for x in losses) / len(losses),
@@ -298,8 +334,8 @@ def save_draft(draft, head_ids: torch.Tensor, out: Path, meta: dict) -> dict:
                if "embed_tokens" not in k and "lm_head" not in k}
     save_file(weights, str(out / DRAFT_WEIGHTS))
     (out / DRAFT_WEIGHTS).chmod(0o644)
-    meta = {**meta, "num_layers": draft.config.num_hidden_layers,
-            "head_token_ids": head_ids.tolist()}
+    meta = {**meta, "kind": "feature" if isinstance(draft, FeatureDraft) else "model",
+            "num_layers": draft.config.num_hidden_layers, "head_token_ids": head_ids.tolist()}
     (out / DRAFT_META).write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -333,13 +369,17 @@ def check_distilled_draft(path: Path, target_tokenizer) -> dict:
 def load_draft(path: Path, target, target_tokenizer):
     """Rebuild a distilled draft folder on the target's embeddings."""
     meta = check_distilled_draft(path, target_tokenizer)
-    draft = make_draft(target, meta["num_layers"])
+    head_ids = torch.tensor(meta["head_token_ids"])
+    if meta.get("kind", "model") == "feature":
+        draft = FeatureDraft(target, head_ids)
+    else:
+        draft = make_draft(target, meta["num_layers"])
+        attach_head(draft, head_ids)
     state = {k: v.float() for k, v in load_file(str(path / DRAFT_WEIGHTS)).items()}
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or any("embed_tokens" not in k and "lm_head" not in k for k in missing):
         raise ValueError(f"{path / DRAFT_WEIGHTS} does not match its {DRAFT_META}; "
                          "re-run specedge distill")
-    attach_head(draft, torch.tensor(meta["head_token_ids"]))
     return draft.eval()
 
 
@@ -349,6 +389,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
 
     if cfg.layers < 1 or cfg.head_tokens < 1 or cfg.prompts < 1 or cfg.epochs < 1:
         raise ValueError("--layers, --head-tokens, --prompts and --epochs must be >= 1")
+    if cfg.kind not in DRAFT_KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -369,7 +411,13 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     t0 = time.time()
     data = build_dataset(target, tokenizer, cfg, work)
     head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)
-    draft = make_draft(target, cfg.layers)
+    if cfg.kind == "feature":
+        if any("features" not in ex for ex in data):
+            raise ValueError(f"{work} holds data generated without the target's features "
+                             "(an older specedge): delete it, or use another --out")
+        draft = FeatureDraft(target, head_ids)
+    else:
+        draft = make_draft(target, cfg.layers)
     report = train(draft, head_ids, data, cfg, work)
     meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
             "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),

@@ -22,7 +22,7 @@ import onnx.numpy_helper
 import torch
 from torch import nn
 
-from specedge.runtime.bundle import graph_io
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, graph_io
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2",)
@@ -70,35 +70,50 @@ def _lm_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return full.scatter(1, head_ids.expand(flat.shape[0], -1), small).unsqueeze(0)
 
 
-class LlamaFamilyDecoder(nn.Module):
-    """Llama, Mistral and Qwen2: pre-norm blocks, rotary positions, grouped-query attention."""
+def llama_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor, past_length: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Llama-family decoder layer over the cache: (x out, new K rows, new V rows)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    def __init__(self, model: nn.Module):
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    t = h.shape[1]
+    q = attn.q_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    o = cached_attention(q, k, v, past_k, past_v, past_length, attn.scaling)
+    x = x + attn.o_proj(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+
+
+class LlamaFamilyDecoder(nn.Module):
+    """Llama, Mistral and Qwen2: pre-norm blocks, rotary positions, grouped-query attention.
+
+    `features`: also output the final norm's output at every input position (the vectors
+    the head reads), which a feature draft takes as input (export/feature_draft.py).
+    """
+
+    def __init__(self, model: nn.Module, features: bool = False):
         super().__init__()
         self.model = model
+        self.features = features
 
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         base = self.model.model
         x = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(x, position_ids)
         presents = []
         for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            t = h.shape[1]
-            q = attn.q_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            o = cached_attention(q, k, v, past[2 * i], past[2 * i + 1], past_length,
-                                 attn.scaling)
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, k, v = llama_layer(layer, x, cos, sin, past[2 * i], past[2 * i + 1], past_length)
             presents += [k, v]
-        x = base.norm(_last_positions(x, logits_to_keep))
-        return (_lm_head(self.model, x), *presents)
+        if not self.features:
+            x = base.norm(_last_positions(x, logits_to_keep))
+            return (_lm_head(self.model, x), *presents)
+        features = base.norm(x)
+        return (_lm_head(self.model, _last_positions(features, logits_to_keep)), *presents,
+                features)
 
 
 class GPT2Decoder(nn.Module):
@@ -146,11 +161,16 @@ def model_dims(model: nn.Module) -> dict[str, int]:
             "head_dim": head_dim, "vocab_size": cfg.vocab_size, "max_context": max_context}
 
 
-def wrap(model: nn.Module) -> nn.Module:
-    """The export module for a Hugging Face causal LM, or ValueError if unsupported."""
+def wrap(model: nn.Module, features: bool = False) -> nn.Module:
+    """The export module for a Hugging Face causal LM, or ValueError if unsupported.
+
+    `features`: the graph also outputs the target's features for a feature draft."""
     model_type = model.config.model_type
+    if features and model_type not in LLAMA_FAMILY:
+        raise ValueError(f"feature drafts need a Llama, Mistral or Qwen2 target, not "
+                         f"{model_type!r}")
     if model_type in LLAMA_FAMILY:
-        return LlamaFamilyDecoder(model)
+        return LlamaFamilyDecoder(model, features)
     if model_type in GPT2_FAMILY:
         return GPT2Decoder(model)
     raise ValueError(f"architecture {model_type!r} is not supported; supported: "
@@ -187,27 +207,36 @@ def share_tied_head(path: str) -> bool:
     return changed
 
 
-def export_onnx(model: nn.Module, path: str, share_head: bool = True) -> None:
+def export_onnx(model: nn.Module, path: str, share_head: bool = True,
+                features: bool = False) -> None:
     """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
 
     `share_head`: for tied embeddings, let the LM head read the embedding table (no second
     copy). Quantized exports keep the copy, so that the head gets quantized as a MatMul.
+    `features`: a target that also outputs its features (for a feature draft). A feature
+    draft (export/feature_draft.py) is its own export module and always has feature I/O.
     """
+    from .feature_draft import FeatureDraft
+
     dims = model_dims(model)
     n, kv, d = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
     dtype = next(model.parameters()).dtype
     t, capacity = 3, 8  # example sizes; both axes are dynamic in the graph
+    reads = isinstance(model, FeatureDraft)
     args = (torch.zeros(1, t, dtype=torch.long), torch.arange(2, 2 + t).unsqueeze(0),
             torch.tensor([2]), torch.tensor([t]),
             *[torch.zeros(1, kv, capacity, d, dtype=dtype) for _ in range(2 * n)])
-    inputs, outputs = graph_io(n)
+    if reads:
+        args += (torch.zeros(1, t, model.config.hidden_size, dtype=dtype),)
+    inputs, outputs = graph_io(n, reads, features or reads)
     dynamic = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "logits": {1: "N"}}
     for name in inputs[4:]:
-        dynamic[name] = {2: "C"}
+        dynamic[name] = {1: "T"} if name == FEATURES_IN else {2: "C"}
     for name in outputs[1:]:
-        dynamic[name] = {2: "T"}
+        dynamic[name] = {1: "T"} if name == FEATURES_OUT else {2: "T"}
+    module = model if reads else wrap(model, features)
     with torch.no_grad():
-        torch.onnx.export(wrap(model).eval(), args, path, input_names=inputs,
+        torch.onnx.export(module.eval(), args, path, input_names=inputs,
                           output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
                           dynamo=False)
     if share_head and model.config.tie_word_embeddings:

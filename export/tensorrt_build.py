@@ -127,6 +127,10 @@ def plan_builds(bundle: Bundle, precision: str = "fp16", max_prompt: int | None 
         raise ValueError(f"--max-draft-tokens must be an integer >= 1, "
                          f"got {max_draft_tokens!r}")
     models = [("target", bundle.target)] + ([("draft", bundle.draft)] if bundle.draft else [])
+    if bundle.target.features:
+        raise ValueError("this bundle has a feature draft, which TensorRT engines do not "
+                         "run yet: export the bundle with a model draft (--draft-layers N "
+                         "or a model draft folder) to build engines")
     context = min(spec.max_context for _, spec in models)
     if max_context is not None:
         if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:

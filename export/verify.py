@@ -2,6 +2,7 @@
 
 Two checks: the max abs logit difference over a prompt and 32 greedy steps, and the 32
 greedy tokens themselves (graph with its KV cache vs transformers with its own cache).
+A feature draft is checked against its own torch module (`verify_feature_draft`).
 """
 
 from __future__ import annotations
@@ -9,21 +10,62 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
 from specedge.runtime.backends import OrtCpuBackend
-from specedge.runtime.bundle import ModelSpec
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, ModelSpec
 
+from .feature_draft import FeatureDraft
 from .graph import model_dims
 
 DEFAULT_ATOL = 1e-3
 
 
+def graph_features(path: Path) -> tuple[int, bool]:
+    """(features width H or 0, whether it reads features), from the graph's I/O."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    out = [o for o in graph.output if o.name == FEATURES_OUT]
+    width = out[0].type.tensor_type.shape.dim[2].dim_value if out else 0
+    return width, any(i.name == FEATURES_IN for i in graph.input)
+
+
 def graph_backend(path: Path, dims: dict) -> OrtCpuBackend:
     """An ort-cpu backend on a graph that is not in a bundle yet (dims: model_dims)."""
+    features, reads = graph_features(path)
     return OrtCpuBackend(ModelSpec(path=Path(path), dtype="float32",
-                                   file_size=Path(path).stat().st_size, **dims))
+                                   file_size=Path(path).stat().st_size, features=features,
+                                   reads_features=reads, **dims))
+
+
+def verify_feature_draft(draft: FeatureDraft, onnx_path: Path, prompt_ids: list[int],
+                         steps: int = 32, atol: float = DEFAULT_ATOL, seed: int = 0) -> dict:
+    """A feature draft's graph against its torch module, on features drawn at the target's
+    scale: logits over the head tokens and predicted features, the prompt in one call and
+    `steps` more pairs one at a time (the graph with its KV cache, torch on the whole
+    sequence). Same report as `verify_graph`, greedy = argmax over the head."""
+    backend = graph_backend(onnx_path, model_dims(draft))
+    ids = list(prompt_ids) + [prompt_ids[i % len(prompt_ids)] for i in range(steps)]
+    features = torch.randn(len(ids), draft.config.hidden_size,
+                           generator=torch.Generator().manual_seed(seed)) * 2
+    with torch.no_grad():
+        predicted = draft.predict(torch.tensor([ids]), features.unsqueeze(0))[0]
+        ref = draft.head_logits(predicted).numpy()
+    head = draft.specedge_head_ids.numpy()
+    cache = backend.new_cache(len(ids))
+    n = len(prompt_ids)
+    got = [backend.forward(cache, ids[:n], n, features[:n].numpy())[:, head]]
+    feature_diff = float(np.abs(backend.features - predicted[:n].numpy()).max())
+    for i in range(n, len(ids)):
+        got.append(backend.forward(cache, ids[i:i + 1], 1, features[i:i + 1].numpy())[:, head])
+        feature_diff = max(feature_diff, float(np.abs(backend.features[0] - predicted[i].numpy()
+                                                      ).max()))
+    got = np.concatenate(got)
+    max_diff = max(float(np.abs(got - ref).max()), feature_diff)
+    matches = int((got[n:].argmax(-1) == ref[n:].argmax(-1)).sum())
+    return {"max_abs_logit_diff": max_diff, "atol": atol, "greedy_steps": steps,
+            "greedy_matches": matches, "ok": bool(max_diff <= atol and matches == steps)}
 
 
 def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps: int = 32,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .bundle import Bundle, ModelSpec, graph_io
+from .bundle import FEATURES_IN, FEATURES_OUT, Bundle, ModelSpec
 from .errors import BackendUnavailableError, BundleError
 from .kv_cache import KVCache
 from .params import check_threads
@@ -46,6 +46,8 @@ class _Binding:
     presents: np.ndarray  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
     new_keys: list[np.ndarray]
     new_values: list[np.ndarray]
+    features_in: np.ndarray | None   # [1, T, H], a feature draft's input
+    features_out: np.ndarray | None  # [1, T, H], a graph's feature output
 
 
 class OrtCpuBackend:
@@ -62,12 +64,13 @@ class OrtCpuBackend:
     def __init__(self, spec: ModelSpec, threads: int | None = None):
         self.spec = spec
         self.session = open_session(spec, threads, "CPUExecutionProvider")
-        self._inputs, self._outputs = graph_io(spec.num_layers)
+        self._inputs, self._outputs = spec.io()
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
         self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
         self._bindings: dict[tuple[int, int], _Binding] = {}
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
+        self.features: np.ndarray | None = None  # [T, H] of the last call, if the graph has
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.spec
@@ -78,9 +81,12 @@ class OrtCpuBackend:
         s = self.spec
         row = (1, s.num_kv_heads, t, s.head_dim)
         presents = np.zeros((2 * s.num_layers, *row), np.float32)
+        width = (1, t, s.features)
         b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
                      logits=np.zeros((1, n, s.vocab_size), np.float32), presents=presents,
-                     new_keys=list(presents[0::2]), new_values=list(presents[1::2]))
+                     new_keys=list(presents[0::2]), new_values=list(presents[1::2]),
+                     features_in=np.zeros(width, np.float32) if s.reads_features else None,
+                     features_out=np.zeros(width, np.float32) if s.features else None)
         for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
                           ("past_length", self._past_length), ("logits_to_keep", self._keep)):
             b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
@@ -90,17 +96,27 @@ class OrtCpuBackend:
                 b.io.bind_input(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
         b.io.bind_output("logits", "cpu", 0, np.float32, list(b.logits.shape),
                          b.logits.ctypes.data)
-        for j, name in enumerate(self._outputs[1:]):
+        for j, name in enumerate(self._outputs[1:1 + 2 * s.num_layers]):
             b.io.bind_output(name, "cpu", 0, np.float32, list(row), b.presents[j].ctypes.data)
+        if b.features_in is not None:
+            b.io.bind_input(FEATURES_IN, "cpu", 0, np.float32, list(width),
+                            b.features_in.ctypes.data)
+        if b.features_out is not None:
+            b.io.bind_output(FEATURES_OUT, "cpu", 0, np.float32, list(width),
+                             b.features_out.ctypes.data)
         return b
 
     def forward(self, cache: KVCache, token_ids: list[int] | np.ndarray,
-                logits_to_keep: int = 1) -> np.ndarray:
+                logits_to_keep: int = 1, features: np.ndarray | None = None) -> np.ndarray:
         """Run T tokens; returns logits [logits_to_keep, vocab] (a view, valid until the next
-        call with the same T and logits_to_keep) and appends their K/V rows to `cache`."""
+        call with the same T and logits_to_keep) and appends their K/V rows to `cache`.
+        A feature draft takes `features` [T, H]; a graph with feature output leaves its
+        [T, H] in `self.features` (a view, valid as long as the logits)."""
         t = len(token_ids)
         if t == 0 or not 1 <= logits_to_keep <= t:
             raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
+        if self.spec.reads_features and (features is None or len(features) != t):
+            raise ValueError(f"a feature draft needs features for each of the {t} tokens")
         if cache.length + t > cache.capacity:
             raise ValueError(f"KV cache full: {cache.length + t} rows, capacity "
                              f"{cache.capacity}")
@@ -113,6 +129,8 @@ class OrtCpuBackend:
             if t <= MAX_KEPT_T:  # decode shapes recur; a prefill's length rarely does
                 self._bindings[key] = b
         b.ids[0, 0] = token_ids
+        if b.features_in is not None:
+            b.features_in[0] = features
         b.ids[1, 0] = np.arange(cache.length, cache.length + t)
         self._past_length[0] = cache.length
         self._keep[0] = logits_to_keep
@@ -120,6 +138,7 @@ class OrtCpuBackend:
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
         cache.write(b.new_keys, b.new_values)
+        self.features = None if b.features_out is None else b.features_out[0]
         return b.logits[0]
 
 
@@ -157,7 +176,7 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str):
     except Exception as e:  # ORT raises several types for unreadable graphs
         raise BundleError(f"ONNX Runtime could not load {spec.path}: {e}; the file is "
                           "corrupt or not an ONNX graph: re-export the bundle") from e
-    _check_graph(session, spec, graph_io(spec.num_layers)[0])
+    _check_graph(session, spec, spec.io()[0])
     return session
 
 
@@ -182,6 +201,11 @@ def load_backend(name: str, bundle: Bundle, role: str,
     spec = getattr(bundle, role)
     if name == "ort-cpu":
         return OrtCpuBackend(spec, threads)
+    if spec.features:
+        raise BackendUnavailableError(
+            f"this bundle has a feature draft, which runs on backend 'ort-cpu' only for now; "
+            f"for {name!r}, export the bundle with a model draft (--draft-layers N or a "
+            "model draft folder)")
     from .device_backend import DeviceBackend
     from .device_memory import CudaMemory, HostMemory
     from .device_sampling import HostSampler

@@ -23,6 +23,12 @@ Every graph has the same I/O (names follow the Hugging Face / Optimum convention
 KV layout "bhsd-fixed": the runtime owns cache buffers of fixed capacity C. The graph reads
 rows [0, past_length) and masks the rest; it returns only the T new rows, which the runtime
 writes at [past_length, past_length + T). Rollback is lowering past_length.
+
+A bundle with a feature draft (format 2, export/feature_draft.py) adds, after the above:
+
+    target outputs  hidden_states     float  [1, T, H]  its features (manifest: features H)
+    draft inputs    hidden_states_in  float  [1, T, H]  (manifest: reads_features true)
+    draft outputs   hidden_states     float  [1, T, H]  its predicted next features
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from typing import Any
 
 from .errors import BundleError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the feature-draft I/O; format 1 bundles read as before
+FEATURES_IN = "hidden_states_in"
+FEATURES_OUT = "hidden_states"
 MANIFEST = "manifest.json"
 KV_LAYOUT = "bhsd-fixed"
 
@@ -55,14 +63,15 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
-def graph_io(num_layers: int) -> tuple[list[str], list[str]]:
+def graph_io(num_layers: int, reads_features: bool = False,
+             writes_features: bool = False) -> tuple[list[str], list[str]]:
     """Input and output names, in graph order."""
     inputs = ["input_ids", "position_ids", "past_length", "logits_to_keep"]
     outputs = ["logits"]
     for i in range(num_layers):
         inputs += [past_key_name(i), past_value_name(i)]
         outputs += [present_key_name(i), present_value_name(i)]
-    return inputs, outputs
+    return inputs + [FEATURES_IN] * reads_features, outputs + [FEATURES_OUT] * writes_features
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,11 @@ class ModelSpec:
     max_context: int
     dtype: str
     file_size: int
+    features: int = 0             # H when the graph outputs `hidden_states`, else 0
+    reads_features: bool = False  # a feature draft: takes `hidden_states_in`
+
+    def io(self) -> tuple[list[str], list[str]]:
+        return graph_io(self.num_layers, self.reads_features, self.features > 0)
 
 
 @dataclass(frozen=True)
@@ -120,7 +134,13 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
                           f"says {entry['file_size']}: it is truncated or was replaced; "
                           "re-export the bundle")
     fields = {k: entry[k] for k in _MODEL_FIELDS if k not in ("file", "kv_layout")}
-    return ModelSpec(path=path, **fields)
+    features, reads = entry.get("features", 0), entry.get("reads_features", False)
+    if not isinstance(features, int) or isinstance(features, bool) or features < 0:
+        raise _bad(root, f"models.{role}.features must be an integer >= 0, got {features!r}")
+    if not isinstance(reads, bool) or (reads and not features):
+        raise _bad(root, f"models.{role}.reads_features must be true only for a graph with "
+                   f"features, got {reads!r}")
+    return ModelSpec(path=path, features=features, reads_features=reads, **fields)
 
 
 def _tokenizer_entry(root: Path, tok: Any) -> dict[str, Any]:
@@ -157,6 +177,9 @@ def load_bundle(root: str | Path) -> Bundle:
         raise BundleError(f"{manifest_path} lists no target model; re-export the bundle")
     target = _model_spec(root, "target", models["target"])
     draft = _model_spec(root, "draft", models["draft"]) if models.get("draft") else None
+    if draft is not None and draft.reads_features and draft.features != target.features:
+        raise _bad(root, f"the feature draft reads {draft.features}-wide features, the "
+                   f"target outputs {target.features}")
     if draft is not None and draft.vocab_size != target.vocab_size:
         raise BundleError(f"the draft's vocabulary ({draft.vocab_size} tokens) differs from the "
                           f"target's ({target.vocab_size}): re-export with a draft that shares "

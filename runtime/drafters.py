@@ -9,7 +9,8 @@ are likely wasted. The doubtful token itself is kept: dropping a
 token because of its own value would make the proposal differ from q, and the acceptance
 test would no longer be exact when sampling.
 `rollback(n)` tells the drafter that only the first n context tokens are still valid.
-`calls` counts the drafter's forward calls, for the cost ratio c.
+`calls` counts the drafter's forward calls, for the cost ratio c. A drafter with
+`needs_features` is given the target's features after every target call (`observe`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ModelDrafter:
     where its tokens and q rows are computed (token_choice.py)."""
 
     name = "model"
+    needs_features = False
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -42,22 +44,71 @@ class ModelDrafter:
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
-        # The cache holds rows for a prefix of the context; the rest (1 or 2 tokens) goes in
-        # with the first draft step.
-        feed = context[self.cache.length:]
         ids, q = [], []
-        for _ in range(k):
-            rows = self.choice.run(self.backend, self.cache, feed, 1)
+        for i in range(k):
+            rows = self._catch_up(context) if i == 0 else self._next(ids[-1])
             self.calls += 1
             x, q_x = self.choice.draw(rows, sampling, rng, q, threshold > 0)
             ids.append(x)
             if q_x < threshold:
                 break
-            feed = [x]
         return ids, self.choice.q(q)
+
+    def _catch_up(self, context: list[int]):
+        """The first draft step: the cache holds rows for a prefix of the context; the rest
+        (1 or 2 tokens, more after lookup drafts) goes in with it."""
+        return self.choice.run(self.backend, self.cache, context[self.cache.length:], 1)
+
+    def _next(self, token: int):
+        return self.choice.run(self.backend, self.cache, [token], 1)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(min(length, self.cache.length))
+
+
+class FeatureDrafter(ModelDrafter):
+    """A feature draft (export/feature_draft.py): pair r is (target feature f_r, token
+    x_{r+1}), so cache row r needs the target's f_r, known once the target has run position
+    r. With context x_0..x_{m-1}, f_0..f_{m-2} are known: the first draft step feeds the
+    pairs the cache lacks up to r = m - 2 and predicts x_m; each later step feeds its own
+    predicted feature with the token it drew. Rows built on predicted features are dropped
+    at rollback and rebuilt from the target's features at the next draft. Host choice only
+    (the ort-cpu backend, which outputs features)."""
+
+    needs_features = True
+
+    def __init__(self, backend: Backend):
+        super().__init__(backend)
+        self.features = None    # [capacity, H]: the target's f_r by position r
+        self.exact_rows = 0     # cache rows built on target features only
+        self._predicted = None  # [1, H]: the draft's latest f^
+
+    def start(self, prompt: list[int], capacity: int) -> None:
+        if self.cache is None or self.cache.capacity != capacity:
+            self.cache = self.backend.new_cache(capacity)
+            self.features = np.zeros((capacity, self.backend.spec.features), np.float32)
+        self.cache.rollback(0)
+        self.exact_rows = 0
+
+    def observe(self, features: np.ndarray, start: int) -> None:
+        """The target's features for positions [start, start + T), from its last call."""
+        self.features[start:start + len(features)] = features
+
+    def _catch_up(self, context: list[int]):
+        first, last = self.cache.length, len(context) - 1
+        rows = self.backend.forward(self.cache, context[first + 1:last + 1], 1,
+                                    self.features[first:last])
+        self.exact_rows = self.cache.length
+        self._predicted = self.backend.features[-1:]
+        return rows
+
+    def _next(self, token: int):
+        rows = self.backend.forward(self.cache, [token], 1, self._predicted)
+        self._predicted = self.backend.features[-1:]
+        return rows
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(min(length - 1, self.exact_rows, self.cache.length))
 
 
 class PromptLookupDrafter:
@@ -66,6 +117,7 @@ class PromptLookupDrafter:
     one-hot."""
 
     name = "prompt-lookup"
+    needs_features = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
@@ -113,6 +165,13 @@ class LookupThenModelDrafter:
     @property
     def calls(self) -> int:
         return self.model.calls + self.lookup.calls
+
+    @property
+    def needs_features(self) -> bool:
+        return self.model.needs_features
+
+    def observe(self, features: np.ndarray, start: int) -> None:
+        self.model.observe(features, start)
 
     def start(self, prompt: list[int], capacity: int) -> None:
         self.model.start(prompt, capacity)

@@ -20,7 +20,7 @@ import numpy as np
 from .backends import load_backend
 from .bundle import load_bundle
 from .draft_length import StepHistory, auto_k
-from .drafters import LookupThenModelDrafter, ModelDrafter, PromptLookupDrafter
+from .drafters import FeatureDrafter, LookupThenModelDrafter, ModelDrafter, PromptLookupDrafter
 from .kv_cache import KVCache, capacity_for
 from .params import (
     Sampling,
@@ -53,7 +53,10 @@ class Generator:
         self.codec = codec
         self.last_result: GenerationResult | None = None
         self._cache: KVCache | None = None
-        self._model_drafter = ModelDrafter(draft) if draft is not None else None
+        self._model_drafter = None
+        if draft is not None:
+            feature_draft = bundle.draft.reads_features
+            self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
         self._choice = choice_for(target)
         # What recent steps cost and accepted, for `auto`, kept across generations, per
         # (drafter, greedy): drafts, and the choice of tokens from K + 1 rows, differ.
@@ -183,6 +186,8 @@ class Generator:
             rows = choice.run(self.target, cache, prompt, 1)
             if drafter:
                 drafter.start(prompt, capacity)
+                if drafter.needs_features:
+                    drafter.observe(self.target.features, 0)
         with clock.time("sampling"):
             token = choice.pick(rows, sampling, rng)
         clock.model_start = self._model_seconds()
@@ -201,6 +206,8 @@ class Generator:
                 clock.draft_calls += draft_calls
             with clock.time("target"):
                 rows = choice.run(self.target, cache, [context[-1], *drafts], len(drafts) + 1)
+                if drafter and drafter.needs_features:
+                    drafter.observe(self.target.features, len(context) - 1)
             with clock.time("sampling"):
                 n, token = choice.verify(rows, drafts, q, sampling, rng)
             clock.record_step(len(drafts), n)

@@ -110,7 +110,11 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m",
                    help="checkpoint folder, .gguf file, or alias (default smollm2-135m)")
     p.add_argument("--out", required=True, help="draft folder (resumes a run found there)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--kind", choices=("model", "feature"), default="model",
+                   help="model: a small model on tokens; feature: one layer on the target's "
+                   "features (EAGLE; runs on ort-cpu), usually accepted more often")
+    p.add_argument("--layers", type=int, default=2,
+                   help="decoder layers of a model draft (default 2)")
     p.add_argument("--head-tokens", type=int, default=8192,
                    help="output head size: the most frequent tokens (default 8192)")
     p.add_argument("--prompts", type=int, default=1200,

@@ -1,0 +1,134 @@
+"""A feature draft (EAGLE, Li et al. 2024): one decoder layer that predicts the target's next
+feature vector from its current one.
+
+The target's feature f_r is its final norm's output at position r: what its head reads,
+p(. | x_<=r) = softmax(W f_r). Predicting the next token from f_r and the token x_{r+1}
+that was drawn from it is far easier for one layer than predicting it from tokens alone,
+as a small draft model must: f_r already holds what the target's 30 layers computed.
+
+    pair r:   g_r = fc([embed(x_{r+1}); f_r])            (2H -> H)
+              f^_{r+1} = layer(g_<=r)                   one target-shaped decoder layer,
+                                                        causal over pairs, KV cache per pair
+              q(. | x_<=r+1) = softmax(W_head f^_{r+1})  the target's head, head tokens only
+
+Drafting chains the draft's own prediction: pair r + 1 reads f^_{r+1} where the target's
+f_{r+1} is not known yet. After verification, pairs computed from predicted features are
+recomputed from the target's (drafters.FeatureDrafter), so the draft's cache only holds
+pairs built on what the target computed.
+
+Graph I/O is the bundle's (runtime/bundle.py) plus `hidden_states_in` [1, T, H] (the f_r of
+each pair) and `hidden_states` [1, T, H] (the f^_{r+1}); the target graph of such a bundle
+outputs its f_r as `hidden_states`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .graph import _last_positions, _lm_head, llama_layer
+
+
+class FeatureDraft(nn.Module):
+    """fc + one decoder layer of the target's shape; embeddings, rotary table and head are
+    the target's own, frozen (not stored with the draft)."""
+
+    def __init__(self, target: nn.Module, head_ids: torch.Tensor):
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:1]
+        # Training runs the layer through transformers' attention; sdpa is causal when
+        # given no mask (the eager path would attend to every pair).
+        config._attn_implementation = "sdpa"
+        self.config = config
+        width = config.hidden_size
+        self.fc = nn.Linear(2 * width, width)
+        self.layer = type(target.model.layers[-1])(config, layer_idx=0)
+        self.layer.load_state_dict(target.model.layers[-1].state_dict())
+        # Start as the identity on the feature: f^_{r+1} = f_r, a poor but sane guess (the
+        # target's distribution one position back) from which training moves: fc passes
+        # the feature half through, and the layer's two residual branches start at zero.
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, width:].copy_(torch.eye(width))
+            self.fc.bias.zero_()
+            self.layer.self_attn.o_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight.zero_()
+        self.embed_tokens = target.model.embed_tokens
+        self.rotary_emb = target.model.rotary_emb
+        self.lm_head = target.lm_head
+        for frozen in (self.embed_tokens, self.lm_head):
+            frozen.requires_grad_(False)
+        self.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a draft folder stores: fc and the layer."""
+        return {k: v for k, v in self.state_dict().items()
+                if k.startswith(("fc.", "layer."))}
+
+    def predict(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Training: f^_{r+1} for pairs (f_r, x_{r+1}); input_ids [B, L], features [B, L, H]
+        -> [B, L, H]. Padding goes at the end (attention is causal)."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+        positions = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+        cos, sin = self.rotary_emb(x, positions)
+        return self.layer(x, position_ids=positions, position_embeddings=(cos, sin))
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the head tokens only, [..., head_tokens]."""
+        return features @ self.lm_head.weight[self.specedge_head_ids].T
+
+    def forward(self, input_ids, position_ids, past_length, logits_to_keep, past_k, past_v,
+                features):
+        """The graph: one call over T pairs with the bundle's KV-cache contract."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+        cos, sin = self.rotary_emb(x, position_ids)
+        x, k, v = llama_layer(self.layer, x, cos, sin, past_k, past_v, past_length)
+        return _lm_head(self, _last_positions(x, logits_to_keep)), k, v, x
+
+
+def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, float]:
+    """Distillation loss of a feature draft on a batch of target answers (export/distill.py).
+
+    Pair r of an example is (f_r, x_{r+1}); its prediction f^_{r+1} is scored twice:
+    * smooth L1 against the target's f_{r+1} (EAGLE's regression term), and
+    * cross-entropy of softmax(W_head f^_{r+1}) against the target's top-k distribution at
+      answer positions (what acceptance depends on).
+    A second pass feeds the first pass's predictions in place of the target's features (as
+    in drafting, where step 2 onward reads f^), so the draft learns to read its own output
+    too. Returns the loss and the first pass's top-1 agreement with the target.
+    """
+    from .distill import head_columns, top_k_cross_entropy
+
+    width = max(len(ex["features"]) for ex in batch)
+    hidden = draft.config.hidden_size
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    features = torch.zeros(len(batch), width, hidden)
+    for b, ex in enumerate(batch):
+        n = len(ex["features"])
+        ids[b, :n] = ex["ids"][1:n + 1].long()
+        features[b, :n] = ex["features"].float()
+    first = draft.predict(ids, features)
+    second = draft.predict(ids[:, 1:], first[:, :-1])
+    to_head = head_columns(draft.specedge_head_ids, draft.config.vocab_size)
+    total, agree, count, pairs = 0.0, 0, 0, 0
+    for b, ex in enumerate(batch):
+        n, start, answer = len(ex["features"]), ex["start"], len(ex["top_ids"])
+        target = features[b, 1:n]
+        total = total + torch.nn.functional.smooth_l1_loss(
+            first[b, :n - 1], target, reduction="sum") / hidden
+        total = total + 0.5 * torch.nn.functional.smooth_l1_loss(
+            second[b, :n - 2], target[1:], reduction="sum") / hidden
+        pairs += n - 1
+        # f^_{r+1} predicts the answer token at r + 2; answer i is drawn at start + i.
+        ce, hits = top_k_cross_entropy(draft.head_logits(first[b, start - 1:start - 1 + answer]),
+                                       ex, to_head)
+        total, agree, count = total + ce, agree + hits, count + answer
+        ce2, _ = top_k_cross_entropy(draft.head_logits(second[b, start - 2:start - 2 + answer]),
+                                     ex, to_head)
+        total = total + 0.5 * ce2
+    return total / count, agree / count

@@ -1,0 +1,167 @@
+"""Feature drafts (EAGLE) on a tiny target: distill, export with the feature I/O, exactness,
+and the drafter's cache rule (rows built on predicted features are rebuilt)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from two_sample import two_sample_pvalue
+
+from specedge.export.bundle import export_bundle
+from specedge.export.distill import DRAFT_META, DRAFT_WEIGHTS, DistillConfig, distill
+from specedge.runtime import Generator
+from specedge.runtime.backends import OrtCpuBackend
+from specedge.runtime.bundle import MANIFEST, load_bundle
+from specedge.runtime.drafters import FeatureDrafter
+from specedge.runtime.errors import BackendUnavailableError, BundleError
+from specedge.runtime.params import Sampling
+
+HEAD = 16
+
+
+@pytest.fixture(scope="module")
+def feature_draft(tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("feature") / "draft"
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature",
+                        head_tokens=HEAD, prompts=32, new_tokens=24, generate_batch=16,
+                        epochs=2, batch=8)
+    return out, cfg, distill(out, cfg)
+
+
+@pytest.fixture(scope="module")
+def feature_bundle(feature_draft, tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("feature") / "bundle"
+    manifest = export_bundle(str(tiny_checkpoints["llama"]), out, draft=str(feature_draft[0]),
+                             verify=True)
+    return out, manifest
+
+
+def test_draft_folder_holds_fc_and_one_layer(feature_draft):
+    out, _, meta = feature_draft
+    weights = load_file(str(out / DRAFT_WEIGHTS))
+    assert {k.split(".")[0] for k in weights} == {"fc", "layer"}
+    assert all(w.dtype == np.float16 for w in weights.values())
+    saved = json.loads((out / DRAFT_META).read_text())
+    assert saved["kind"] == "feature" and saved["num_layers"] == 1
+    assert len(saved["head_token_ids"]) == HEAD
+
+
+def test_training_improves_on_the_untrained_draft(feature_draft):
+    import torch
+
+    from specedge.export.distill import head_token_ids
+    from specedge.export.feature_draft import FeatureDraft, feature_loss
+    from specedge.export.sources import load_model
+
+    out, cfg, meta = feature_draft
+    data = []
+    for shard in sorted((out / "work").glob("data-*.pt")):
+        data += torch.load(shard)
+    target, _ = load_model(cfg.target)
+    fresh = FeatureDraft(target, head_token_ids(data, cfg.head_tokens,
+                                                target.config.vocab_size))
+    with torch.no_grad():
+        before = feature_loss(fresh, data[::20])[0].item()
+    assert meta["report"]["val_loss"] < before
+
+
+def test_export_writes_and_verifies_the_feature_io(feature_bundle):
+    out, manifest = feature_bundle
+    assert manifest["verify"]["draft"]["ok"] and manifest["verify"]["target"]["ok"]
+    bundle = load_bundle(out)
+    assert bundle.target.features == 32 and not bundle.target.reads_features
+    assert bundle.draft.features == 32 and bundle.draft.reads_features
+    names = [o["name"] for o in manifest["models"]["draft"]["inputs"]]
+    assert names[-1] == "hidden_states_in"
+
+
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("model", "auto"),
+                                       ("lookup+model", 3)])
+def test_greedy_speculative_equals_plain(feature_bundle, drafter, k):
+    gen = Generator.from_bundle(feature_bundle[0])
+    drafted = 0
+    for prompt in ("hello world", "the cat sat", "why?"):
+        plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=k,
+                            drafter=drafter)
+        assert spec.token_ids == plain.token_ids
+        drafted += spec.stats["drafted_tokens"]
+    assert drafted > 0
+
+
+def test_incremental_drafts_equal_drafts_from_scratch(feature_bundle):
+    """After a generation with many rejections, the drafter's cache (rows rebuilt from the
+    target's features after each step) proposes what a new drafter proposes from the
+    target's features of the whole context."""
+    gen = Generator.from_bundle(feature_bundle[0])
+    prompt = [1, 10, 7, 12]
+    for seed in range(20):  # a generation that ends at max_new_tokens, not inside a chunk
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=30, draft_tokens=3,
+                           temperature=1.0, seed=seed)
+        if out.stop_reason == "max_new_tokens":
+            break
+    assert out.stop_reason == "max_new_tokens"
+    assert out.stats["accepted_tokens"] < out.stats["drafted_tokens"]  # rollbacks happened
+    context = prompt + out.token_ids
+    sampling = Sampling(1.0)
+    kept = gen._model_drafter
+    ids_kept, q_kept = kept.propose(context, 3, sampling, np.random.default_rng(0))
+
+    bundle = load_bundle(feature_bundle[0])
+    target, fresh = OrtCpuBackend(bundle.target), FeatureDrafter(OrtCpuBackend(bundle.draft))
+    cache = target.new_cache(kept.cache.capacity)
+    target.forward(cache, context[:-1], 1)
+    fresh.start(context, kept.cache.capacity)
+    fresh.observe(target.features, 0)
+    ids_fresh, q_fresh = fresh.propose(context, 3, sampling, np.random.default_rng(0))
+    assert ids_kept == ids_fresh
+    np.testing.assert_allclose(q_kept, q_fresh, atol=1e-5)
+
+
+def test_sampling_is_exact(feature_bundle):
+    """Two-sample chi-square (N = 1500 per arm, alpha = 0.001, seeds 0.. and 10000..) on
+    the first three tokens: with max_new_tokens 4 and K = 2, t2 and t3 are the verified
+    drafts (the second read the draft's own predicted feature) or their replacements."""
+    gen = Generator.from_bundle(feature_bundle[0])
+
+    def first_three(seed0: int, **kwargs) -> Counter:
+        counts, drafted = Counter(), 0
+        for i in range(1500):
+            out = gen.generate(prompt_ids=[1, 10, 7], max_new_tokens=4, seed=seed0 + i,
+                               temperature=1.0, **kwargs)
+            counts[tuple(out.token_ids[:3])] += 1
+            drafted += out.stats["drafted_tokens"]
+        return counts, drafted
+
+    plain, _ = first_three(0, use_draft=False)
+    spec, drafted = first_three(10_000, draft_tokens=2)
+    assert drafted >= 2 * 1500
+    assert two_sample_pvalue(plain, spec) > 0.001
+
+
+def test_device_backends_refuse_a_feature_bundle(feature_bundle):
+    with pytest.raises(BackendUnavailableError, match="feature draft.*ort-cpu"):
+        Generator.from_bundle(feature_bundle[0], backend="host-emulated")
+
+
+def test_tensorrt_plan_refuses_a_feature_bundle(feature_bundle):
+    from specedge.export.tensorrt_build import plan_builds
+
+    with pytest.raises(ValueError, match="feature draft"):
+        plan_builds(load_bundle(feature_bundle[0]))
+
+
+def test_manifest_with_reads_features_but_no_width_is_refused(feature_bundle, tmp_path):
+    import shutil
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(feature_bundle[0], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["models"]["draft"]["features"] = 0
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="reads_features"):
+        load_bundle(copy)
