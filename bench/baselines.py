@@ -15,6 +15,7 @@ def _hf_models(bundle: Path):
     """The bundle's target and draft as transformers models (the export extra)."""
     from specedge.export.distill import is_distilled_draft, load_draft
     from specedge.export.draft import truncated_draft
+    from specedge.export.feature_draft import FeatureDraft
     from specedge.export.sources import load_model
 
     source = json.loads((bundle / "manifest.json").read_text())["source"]
@@ -22,6 +23,8 @@ def _hf_models(bundle: Path):
     draft = None
     if source.get("draft") and is_distilled_draft(source["draft"]):
         draft = load_draft(Path(source["draft"]), target, tokenizer)
+        if isinstance(draft, FeatureDraft):
+            return target, None  # an assistant must be a causal LM that reads tokens only
         # transformers' assistant scores the whole vocabulary with the tied head.
         del draft.specedge_head_ids
     elif source.get("draft"):
@@ -41,7 +44,8 @@ def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: 
     results = {}
     for name, assistant in (("transformers plain", None), ("transformers assisted", draft)):
         if name.endswith("assisted") and assistant is None:
-            results[name] = {"skipped": "the bundle has no draft"}
+            results[name] = {"skipped": "the bundle has no draft that transformers can run "
+                                        "(a feature draft reads the target's features)"}
             continue
         tokens, seconds = 0, 0.0
         for ids in prompt_ids:

@@ -94,6 +94,63 @@ TASKS = [
     "List five questions a student might ask about {t}, with short answers.",
 ]
 
+# A second prompt set ("varied"): everyday questions, summaries of a given passage (the
+# target's own greedy answers to the templates above, used as passages) and code requests,
+# so that the draft does not learn only the templates' answer style.
+QUESTIONS = [
+    "How does {t} work?", "Why do people care about {t}?", "What is the best way to learn "
+    "about {t}?", "Can you give me some tips about {t}?", "What are common mistakes people "
+    "make with {t}?", "How would you describe {t} to a friend?", "What is surprising about "
+    "{t}?", "Is {t} good or bad for the environment?", "How has {t} changed in the last "
+    "hundred years?", "What questions should I ask an expert on {t}?", "How do I get started "
+    "with {t}?", "What does a typical day look like for someone who works with {t}?",
+    "Could you tell me something fun about {t}?", "What should a beginner know about {t}?",
+    "How do scientists study {t}?", "What would the world be like without {t}?",
+]
+CODE_TASKS = [
+    "checks whether a number is prime", "reverses the words in a sentence",
+    "returns the second largest number in a list", "removes vowels from a string",
+    "converts a temperature from Celsius to Fahrenheit", "counts the lines in a text file",
+    "checks whether two strings are anagrams", "flattens a nested list",
+    "returns the factorial of a number", "finds the most common element in a list",
+    "validates an email address with a regular expression", "sorts a list of dictionaries "
+    "by one key", "splits a list into chunks of a given size", "computes the median of a list",
+    "capitalises the first letter of every word", "returns the greatest common divisor of "
+    "two numbers", "checks whether a year is a leap year", "sums the digits of a number",
+    "groups words by their first letter", "returns the unique values of a list in order",
+    "computes the average word length of a sentence", "converts a binary string to an "
+    "integer", "finds all pairs in a list that add up to a target", "rotates a list by k "
+    "places", "checks whether brackets in a string are balanced",
+]
+LANGUAGES = ["Python", "Python", "Python", "JavaScript", "Go", "Rust", "Java", "C"]
+
+
+def varied_prompts(n: int, seed: int, passages: list[str]) -> list[str]:
+    """`n` prompts, a third each of questions, passage summaries and code requests."""
+    rng = random.Random(seed + 1)
+    pools = [[q.format(t=t) for q in QUESTIONS for t in TOPICS],
+             [f"Summarize the following passage in {k}.\n\n{p}" for p in passages
+              for k in ("one sentence", "two sentences")],
+             [f"Write a {lang} function that {task}." for lang in LANGUAGES
+              for task in CODE_TASKS]]
+    for pool in pools:
+        rng.shuffle(pool)
+    picked = [pool[i] for i in range(n) for pool in pools if i < len(pool)][:n]
+    if len(picked) < n:
+        raise ValueError(f"--varied-prompts can be at most {len(picked)}, got {n}")
+    return picked
+
+
+def passages_from(data: list[dict], tokenizer) -> list[str]:
+    """The target's greedy template answers, cut at their last full stop, as passages."""
+    out = []
+    for ex in data:
+        text = tokenizer.decode(ex["ids"][ex["start"] + 1:].tolist(), skip_special_tokens=True)
+        text = text[:text.rfind(".") + 1].strip()
+        if len(text) >= 200 and "```" not in text:
+            out.append(text)
+    return out
+
 
 @dataclass
 class DistillConfig:
@@ -110,9 +167,10 @@ class DistillConfig:
     seed: int = 0
     top_k: int = 32
     kind: str = "model"  # "model": layers on tokens; "feature": export/feature_draft.py
+    varied_prompts: int = 0
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
-                   "seed", "top_k")
+                   "seed", "top_k", "varied_prompts")
 
     def data_settings(self) -> dict:
         """What the generated data depends on; the rest only shapes training."""
@@ -172,16 +230,29 @@ def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
 
 
 def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict]:
-    """Generate (or reload) the on-policy data, one resumable shard per batch."""
-    prompts = training_prompts(cfg.prompts, cfg.seed)
-    n_sampled = int(round(cfg.sampled_fraction * len(prompts)))
+    """Generate (or reload) the on-policy data, one resumable shard per batch: the template
+    prompts, then the varied ones (whose passages are the template answers)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    data = _answers(model, tokenizer, cfg, work, training_prompts(cfg.prompts, cfg.seed), 0)
+    if cfg.varied_prompts:
+        greedy = data[:len(data) - int(round(cfg.sampled_fraction * len(data)))]
+        prompts = varied_prompts(cfg.varied_prompts, cfg.seed, passages_from(greedy, tokenizer))
+        first = -(-cfg.prompts // cfg.generate_batch)
+        data += _answers(model, tokenizer, cfg, work, prompts, first)
+    return data
+
+
+def _answers(model, tokenizer, cfg: DistillConfig, work: Path, prompts: list[str],
+             first: int) -> list[dict]:
+    """Shards `first`, `first` + 1, ... for `prompts`; the last batches sampled."""
+    n_sampled = int(round(cfg.sampled_fraction * len(prompts)))
     data = []
     batches = range(0, len(prompts), cfg.generate_batch)
-    for i, start in enumerate(tqdm(batches, desc="target answers", unit="batch",
+    for j, start in enumerate(tqdm(batches, desc="target answers", unit="batch",
                                    file=sys.stderr)):
+        i = first + j
         path = work / f"data-{i:04d}.pt"
         if not path.is_file():
             chunk = prompts[start:start + cfg.generate_batch]
@@ -389,6 +460,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
 
     if cfg.layers < 1 or cfg.head_tokens < 1 or cfg.prompts < 1 or cfg.epochs < 1:
         raise ValueError("--layers, --head-tokens, --prompts and --epochs must be >= 1")
+    if cfg.varied_prompts < 0:
+        raise ValueError(f"--varied-prompts must be >= 0, got {cfg.varied_prompts}")
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
     out = Path(out)

@@ -119,6 +119,9 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="output head size: the most frequent tokens (default 8192)")
     p.add_argument("--prompts", type=int, default=1200,
                    help="training prompts (default 1200)")
+    p.add_argument("--varied-prompts", type=int, default=0,
+                   help="more prompts: questions, passage summaries and code requests "
+                   "(default 0)")
     p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)

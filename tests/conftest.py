@@ -20,6 +20,7 @@ from specedge.export.sources import cache_dir  # noqa: E402
 
 # The distilled draft committed in the repository (specedge distill, see README).
 SMOLLM2_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m"
+SMOLLM2_FEATURE_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-feature"
 
 
 @pytest.fixture(scope="session")
@@ -55,4 +56,11 @@ def smollm2_bundle() -> Path:
 def smollm2_int8_bundle() -> Path:
     out = cache_dir() / "bundles" / "smollm2-int8"
     export_bundle("smollm2-135m", out, draft=str(SMOLLM2_DRAFT), precision="int8")
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_feature_bundle() -> Path:
+    out = cache_dir() / "bundles" / "smollm2-feature-fp32"
+    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_FEATURE_DRAFT))
     return out

@@ -138,3 +138,32 @@ def test_draft_for_another_tokenizer_is_refused(distilled, tmp_path):
     with pytest.raises(ValueError, match="distilled for another tokenizer"):
         export_bundle(str(other), tmp_path / "b", draft=str(distilled[0]))
     assert not (tmp_path / "b").exists()
+
+
+def test_varied_prompts_mix_questions_summaries_and_code():
+    from specedge.export.distill import varied_prompts
+
+    passages = [f"Passage number {i} says something. " * 8 for i in range(10)]
+    prompts = varied_prompts(30, 0, passages)
+    assert len(prompts) == len(set(prompts)) == 30
+    assert sum(p.startswith("Summarize the following passage") for p in prompts) == 10
+    assert sum(p.startswith("Write a ") and " function that " in p for p in prompts) == 10
+    assert varied_prompts(30, 0, passages) == prompts != varied_prompts(30, 1, passages)
+    with pytest.raises(ValueError, match="at most"):
+        varied_prompts(10_000, 0, passages)
+
+
+def test_passages_are_the_targets_answers_cut_at_a_full_stop():
+    import torch
+
+    from specedge.export.distill import passages_from
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    text = "A long answer. " * 20 + "cut here"
+    ids = [ord(c) for c in "prompt"] + [ord(c) for c in text]
+    ex = {"ids": torch.tensor(ids), "start": 5}
+    short = {"ids": torch.tensor([ord(c) for c in "prompt" + "Too short."]), "start": 5}
+    assert passages_from([ex, short], Chars()) == [("A long answer. " * 20).strip()]

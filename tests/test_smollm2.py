@@ -58,6 +58,25 @@ def test_speculative_equals_plain(gen, plain_outputs, drafter, k):
     assert accepted > (0.1 * total if drafter == "model" and k != "auto" else 0)
 
 
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("model", "auto"),
+                                       ("lookup+model", 3)])
+def test_feature_draft_speculative_equals_plain(smollm2_feature_bundle, plain_outputs,
+                                                drafter, k):
+    """The feature draft in drafts/ (one layer on the target's features): same tokens as
+    plain decoding, with real acceptance, so the feature I/O and the drafter's rebuilding
+    of rows built on predicted features run on the real model."""
+    gen = Generator.from_bundle(smollm2_feature_bundle)
+    assert gen.bundle.draft.reads_features and gen.bundle.target.features == 576
+    total, accepted = 0, 0
+    for prompt, plain in zip(PROMPTS, plain_outputs):
+        spec = gen.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, draft_tokens=k,
+                            drafter=drafter)
+        assert spec.token_ids == plain.token_ids, prompt
+        total += len(spec.token_ids)
+        accepted += spec.stats["accepted_tokens"]
+    assert accepted > (0.1 * total if drafter == "model" and k != "auto" else 0)
+
+
 def test_fp32_graph_is_batch_invariant(gen):
     """Greedy identity needs a verification call to compute what one-token steps compute."""
     from specedge.export.quantize import BATCH_TOLERANCE, batch_difference
