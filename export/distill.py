@@ -296,6 +296,15 @@ def make_draft(target, layers: int):
     return draft
 
 
+def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):
+    """The untrained draft that `cfg` describes, scoring `head_ids`."""
+    if cfg.kind == "feature":
+        return FeatureDraft(target, head_ids)
+    draft = make_draft(target, cfg.layers)
+    attach_head(draft, head_ids)
+    return draft
+
+
 def attach_head(draft, head_ids: torch.Tensor) -> None:
     """Mark the draft's output head as covering only `head_ids` (see export/graph.py)."""
     draft.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
@@ -340,8 +349,9 @@ def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tenso
     return total / count, agree / count
 
 
-def _batch_loss(draft, head_ids: torch.Tensor, batch: list[dict]
-                ) -> tuple[torch.Tensor, float]:
+def draft_loss(draft, head_ids: torch.Tensor, batch: list[dict]
+               ) -> tuple[torch.Tensor, float]:
+    """Training loss and top-1 agreement of either kind of draft on a batch."""
     if isinstance(draft, FeatureDraft):
         return feature_loss(draft, batch)
     return _loss(draft, head_ids, batch)
@@ -375,7 +385,7 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
                file=sys.stderr)
     draft.train()
     while step < total_steps:
-        loss, agree = _batch_loss(draft, head_ids, [train_set[i] for i in orders[step]])
+        loss, agree = draft_loss(draft, head_ids, [train_set[i] for i in orders[step]])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -393,7 +403,7 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
     bar.close()
     draft.eval()
     with torch.no_grad():
-        losses = [_batch_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
+        losses = [draft_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
                   range(0, len(val), cfg.batch)]
     return {"val_loss": sum(x[0].item() for x in losses) / len(losses),
             "val_top1_agreement": sum(x[1] for x in losses) / len(losses),
@@ -484,13 +494,10 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     t0 = time.time()
     data = build_dataset(target, tokenizer, cfg, work)
     head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)
-    if cfg.kind == "feature":
-        if any("features" not in ex for ex in data):
-            raise ValueError(f"{work} holds data generated without the target's features "
-                             "(an older specedge): delete it, or use another --out")
-        draft = FeatureDraft(target, head_ids)
-    else:
-        draft = make_draft(target, cfg.layers)
+    if cfg.kind == "feature" and any("features" not in ex for ex in data):
+        raise ValueError(f"{work} holds data generated without the target's features "
+                         "(an older specedge): delete it, or use another --out")
+    draft = new_draft(target, cfg, head_ids)
     report = train(draft, head_ids, data, cfg, work)
     meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
             "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),

@@ -64,3 +64,15 @@ def smollm2_feature_bundle() -> Path:
     out = cache_dir() / "bundles" / "smollm2-feature-fp32"
     export_bundle("smollm2-135m", out, draft=str(SMOLLM2_FEATURE_DRAFT))
     return out
+
+
+@pytest.fixture(scope="session")
+def feature_draft(tiny_checkpoints, tmp_path_factory):
+    """A feature draft distilled for the tiny Llama: (folder, config, metadata)."""
+    from specedge.export.distill import DistillConfig, distill
+
+    out = tmp_path_factory.mktemp("feature") / "draft"
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature",
+                        head_tokens=16, prompts=32, new_tokens=24, generate_batch=16,
+                        epochs=2, batch=8)
+    return out, cfg, distill(out, cfg)

@@ -61,23 +61,22 @@ def test_other_training_settings_reuse_the_data(distilled, tmp_path):
         "steps"]
 
 
-def test_training_improves_on_the_untrained_draft(distilled):
+@pytest.mark.parametrize("which", ["distilled", "feature_draft"])
+def test_training_improves_on_the_untrained_draft(which, request):
     """The loss after training is below the loss of the freshly initialised draft."""
     import torch
 
-    from specedge.export.distill import _loss, attach_head, head_token_ids, make_draft
+    from specedge.export.distill import draft_loss, head_token_ids, new_draft
     from specedge.export.sources import load_model
 
-    out, cfg, meta = distilled
+    out, cfg, meta = request.getfixturevalue(which)
     data = []
     for shard in sorted((out / "work").glob("data-*.pt")):
         data += torch.load(shard)
     target, _ = load_model(cfg.target)
-    fresh = make_draft(target, cfg.layers)
     head = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)
-    attach_head(fresh, head)
     with torch.no_grad():
-        before = _loss(fresh, head, data[::20])[0].item()
+        before = draft_loss(new_draft(target, cfg, head), head, data[::20])[0].item()
     assert meta["report"]["val_loss"] < before
 
 

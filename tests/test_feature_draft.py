@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from two_sample import two_sample_pvalue
 
 from specedge.export.bundle import export_bundle
-from specedge.export.distill import DRAFT_META, DRAFT_WEIGHTS, DistillConfig, distill
+from specedge.export.distill import DRAFT_META, DRAFT_WEIGHTS
 from specedge.runtime import Generator
 from specedge.runtime.backends import OrtCpuBackend
 from specedge.runtime.bundle import MANIFEST, load_bundle
@@ -20,16 +20,7 @@ from specedge.runtime.drafters import FeatureDrafter
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 from specedge.runtime.params import Sampling
 
-HEAD = 16
-
-
-@pytest.fixture(scope="module")
-def feature_draft(tiny_checkpoints, tmp_path_factory):
-    out = tmp_path_factory.mktemp("feature") / "draft"
-    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature",
-                        head_tokens=HEAD, prompts=32, new_tokens=24, generate_batch=16,
-                        epochs=2, batch=8)
-    return out, cfg, distill(out, cfg)
+HEAD = 16  # as in the feature_draft fixture (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +39,6 @@ def test_draft_folder_holds_fc_and_one_layer(feature_draft):
     saved = json.loads((out / DRAFT_META).read_text())
     assert saved["kind"] == "feature" and saved["num_layers"] == 1
     assert len(saved["head_token_ids"]) == HEAD
-
-
-def test_training_improves_on_the_untrained_draft(feature_draft):
-    import torch
-
-    from specedge.export.distill import head_token_ids
-    from specedge.export.feature_draft import FeatureDraft, feature_loss
-    from specedge.export.sources import load_model
-
-    out, cfg, meta = feature_draft
-    data = []
-    for shard in sorted((out / "work").glob("data-*.pt")):
-        data += torch.load(shard)
-    target, _ = load_model(cfg.target)
-    fresh = FeatureDraft(target, head_token_ids(data, cfg.head_tokens,
-                                                target.config.vocab_size))
-    with torch.no_grad():
-        before = feature_loss(fresh, data[::20])[0].item()
-    assert meta["report"]["val_loss"] < before
 
 
 def test_export_writes_and_verifies_the_feature_io(feature_bundle):
