@@ -14,6 +14,9 @@ The draft is cheap by construction:
 * an output head over the `head_tokens` most frequent answer tokens only (rows of the
   embedding table); other tokens get q = 0, which the exact acceptance rule handles.
 
+`--kind feature` trains a feature draft instead (export/feature_draft.py): one layer that
+reads the target's features, which are recorded with the answers.
+
 A draft folder holds `specedge_draft.json` (shape, head token ids, provenance) and
 `weights.safetensors` (fp16, decoder layers and final norm only). `specedge export
 --draft DIR` rebuilds it on the target's embeddings. Data, checkpoints and the training

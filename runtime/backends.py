@@ -70,7 +70,7 @@ class OrtCpuBackend:
         self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
         self._bindings: dict[tuple[int, int], _Binding] = {}
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
-        self.features: np.ndarray | None = None  # [T, H] of the last call, if the graph has
+        self.features: np.ndarray | None = None  # [T, H] of the last call (feature output)
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.spec

@@ -79,25 +79,26 @@ class FeatureDrafter(ModelDrafter):
 
     def __init__(self, backend: Backend):
         super().__init__(backend)
-        self.features = None    # [capacity, H]: the target's f_r by position r
-        self.exact_rows = 0     # cache rows built on target features only
-        self._predicted = None  # [1, H]: the draft's latest f^
+        self.target_features = None  # [capacity, H]: the target's f_r by position r
+        self.exact_rows = 0          # cache rows built on target features only
+        self._predicted = None       # [1, H]: the draft's latest f^
 
     def start(self, prompt: list[int], capacity: int) -> None:
         if self.cache is None or self.cache.capacity != capacity:
             self.cache = self.backend.new_cache(capacity)
-            self.features = np.zeros((capacity, self.backend.spec.features), np.float32)
+            self.target_features = np.zeros((capacity, self.backend.spec.features),
+                                            np.float32)
         self.cache.rollback(0)
         self.exact_rows = 0
 
     def observe(self, features: np.ndarray, start: int) -> None:
         """The target's features for positions [start, start + T), from its last call."""
-        self.features[start:start + len(features)] = features
+        self.target_features[start:start + len(features)] = features
 
     def _catch_up(self, context: list[int]):
         first, last = self.cache.length, len(context) - 1
         rows = self.backend.forward(self.cache, context[first + 1:last + 1], 1,
-                                    self.features[first:last])
+                                    self.target_features[first:last])
         self.exact_rows = self.cache.length
         self._predicted = self.backend.features[-1:]
         return rows
