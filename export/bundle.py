@@ -57,7 +57,7 @@ def _io_spec(graph: onnx.GraphProto, dims: dict, features: int) -> tuple[list[di
 def _model_entry(model, path: Path, max_context: int | None, precision: str) -> dict:
     dims = model_dims(model)
     graph = onnx.load(str(path), load_external_data=False).graph
-    features, reads = graph_features(path)
+    features, reads = graph_features(graph)
     inputs, outputs = _io_spec(graph, dims, features)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)

@@ -70,10 +70,14 @@ class FeatureDraft(nn.Module):
         return {k: v for k, v in self.state_dict().items()
                 if k.startswith(("fc.", "layer."))}
 
+    def _pairs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """g_r = fc([embed(x_{r+1}); f_r]), the layer's input."""
+        return self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+
     def predict(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training: f^_{r+1} for pairs (f_r, x_{r+1}); input_ids [B, L], features [B, L, H]
         -> [B, L, H]. Padding goes at the end (attention is causal)."""
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+        x = self._pairs(input_ids, features)
         positions = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
         cos, sin = self.rotary_emb(x, positions)
         return self.layer(x, position_ids=positions, position_embeddings=(cos, sin))
@@ -85,7 +89,7 @@ class FeatureDraft(nn.Module):
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, past_k, past_v,
                 features):
         """The graph: one call over T pairs with the bundle's KV-cache contract."""
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+        x = self._pairs(input_ids, features)
         cos, sin = self.rotary_emb(x, position_ids)
         x, k, v = llama_layer(self.layer, x, cos, sin, past_k, past_v, past_length)
         return _lm_head(self, _last_positions(x, logits_to_keep)), k, v, x

@@ -23,9 +23,8 @@ from .graph import model_dims
 DEFAULT_ATOL = 1e-3
 
 
-def graph_features(path: Path) -> tuple[int, bool]:
+def graph_features(graph: onnx.GraphProto) -> tuple[int, bool]:
     """(features width H or 0, whether it reads features), from the graph's I/O."""
-    graph = onnx.load(str(path), load_external_data=False).graph
     out = [o for o in graph.output if o.name == FEATURES_OUT]
     width = out[0].type.tensor_type.shape.dim[2].dim_value if out else 0
     return width, any(i.name == FEATURES_IN for i in graph.input)
@@ -33,7 +32,7 @@ def graph_features(path: Path) -> tuple[int, bool]:
 
 def graph_backend(path: Path, dims: dict) -> OrtCpuBackend:
     """An ort-cpu backend on a graph that is not in a bundle yet (dims: model_dims)."""
-    features, reads = graph_features(path)
+    features, reads = graph_features(onnx.load(str(path), load_external_data=False).graph)
     return OrtCpuBackend(ModelSpec(path=Path(path), dtype="float32",
                                    file_size=Path(path).stat().st_size, features=features,
                                    reads_features=reads, **dims))
