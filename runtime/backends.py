@@ -44,8 +44,6 @@ class _Binding:
     ids: np.ndarray       # [2, 1, T]: input_ids, position_ids
     logits: np.ndarray    # [1, N, vocab]
     presents: np.ndarray  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
-    new_keys: list[np.ndarray]
-    new_values: list[np.ndarray]
     features_in: np.ndarray | None   # [1, T, H], a feature draft's input
     features_out: np.ndarray | None  # [1, T, H], a graph's feature output
 
@@ -84,7 +82,6 @@ class OrtCpuBackend:
         width = (1, t, s.features)
         b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
                      logits=np.zeros((1, n, s.vocab_size), np.float32), presents=presents,
-                     new_keys=list(presents[0::2]), new_values=list(presents[1::2]),
                      features_in=np.zeros(width, np.float32) if s.reads_features else None,
                      features_out=np.zeros(width, np.float32) if s.features else None)
         for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
@@ -137,7 +134,7 @@ class OrtCpuBackend:
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
-        cache.write(b.new_keys, b.new_values)
+        cache.write(b.presents)
         self.features = None if b.features_out is None else b.features_out[0]
         return b.logits[0]
 

@@ -1,7 +1,9 @@
 """Preallocated KV-cache buffers (layout "bhsd-fixed", see bundle.py).
 
 One K and one V buffer of shape [1, kv_heads, capacity, head_dim] per layer, allocated once
-per generation and never reallocated inside a step, so their addresses stay fixed. The graph
+per generation and never reallocated inside a step, so their addresses stay fixed. They are
+the planes of one array in the graph's order (K, V of layer 0, K, V of layer 1, ...), so a
+step's new rows go in with one copy. The graph
 masks rows >= length, so rollback after a rejected draft is only `length = n`: stale rows
 are never read as valid and are overwritten by the next write.
 """
@@ -23,22 +25,19 @@ def capacity_for(tokens: int, max_context: int) -> int:
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: np.dtype = np.float32):
-        shape = (1, num_kv_heads, capacity, head_dim)
-        self.keys = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.planes = np.zeros((2 * num_layers, 1, num_kv_heads, capacity, head_dim), dtype)
+        self.keys = list(self.planes[0::2])
+        self.values = list(self.planes[1::2])
         self.capacity = capacity
         self.length = 0
 
-    def write(self, new_keys: list[np.ndarray], new_values: list[np.ndarray]) -> None:
-        """Store T new rows per layer ([1, kv_heads, T, head_dim]) at [length, length + T)."""
-        t = new_keys[0].shape[2]
-        end = self.length + t
+    def write(self, rows: np.ndarray) -> None:
+        """Store T new rows per plane ([2 * layers, 1, kv_heads, T, head_dim], the graph's
+        present outputs in order) at [length, length + T)."""
+        end = self.length + rows.shape[3]
         if end > self.capacity:
             raise ValueError(f"KV cache full: {end} rows needed, capacity {self.capacity}")
-        for buf, new in zip(self.keys, new_keys):
-            buf[:, :, self.length:end] = new
-        for buf, new in zip(self.values, new_values):
-            buf[:, :, self.length:end] = new
+        self.planes[:, :, :, self.length:end] = rows
         self.length = end
 
     def rollback(self, length: int) -> None:

@@ -6,8 +6,9 @@ distributions p and q over one processed space. The warper order is Hugging Face
 temperature, then top-k, then top-p. Greedy decoding (temperature 0) never comes here;
 callers take ``argmax`` directly (DESIGN step 5).
 
-Everything is float64 numpy, vectorised over rows (the target verifies K+1 positions at
-once, so a call sees up to ~9 rows of a ~49k vocabulary).
+Probabilities are float64 numpy. A call sees up to ~9 rows of a ~49k vocabulary (the
+target verifies K+1 positions at once), and the sampled loop spends its host time here, so
+top-p reads only the top of each row (:func:`_top_p_probs`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def process_logits(
     where HF's ``torch.sort`` leaves them unspecified.
 
     Cost per row of V logits: O(V) without top-p (``np.partition`` for top-k, no sort);
-    with top-p, a threshold pass plus a sort of the few hundred most probable tokens for
-    typical LM distributions (see :func:`_mask_top_p_dense`), a full sort only for very
-    flat ones.
+    with top-p, a threshold pass, a float32 exp over the tokens with
+    ``(l - max) / T >= ln(1e-6 / V)`` and a sort of the few hundred most probable ones for
+    typical LM distributions (see :func:`_top_p_probs`), a full sort only for very flat
+    ones.
 
     Args:
         logits: shape ``[V]`` or ``[N, V]``, any float dtype.
@@ -65,26 +67,34 @@ def process_logits(
     if not 0.0 <= top_p <= 1.0:
         raise ValueError(f"process_logits: top_p must be in [0, 1], got {top_p!r}")
 
-    rows = np.array(x, dtype=np.float64, ndmin=2)  # always a fresh float64 copy
-    row_max = rows.max(axis=-1, keepdims=True)
+    logits = x.reshape(1, -1) if x.ndim == 1 else x
+    row_max = logits.max(axis=-1, keepdims=True).astype(np.float64)
     # np.max propagates NaN, so one reduction tells whether every row is usable: a finite
     # max means no NaN, no +inf and at least one unmasked token.
     if not np.isfinite(row_max).all():
-        raise _invalid_rows_error(rows)
+        raise _invalid_rows_error(logits)
 
+    vocab = logits.shape[-1]
+    if top_p < 1.0 and not 0 < top_k < vocab:
+        # Top-p alone reads only the top of each row: no float64 copy of the whole row.
+        return _top_p_probs(logits, row_max, temperature, top_p).reshape(x.shape)
     # Shift by the row max *before* dividing by T: softmax, top-k and top-p are all
     # shift-invariant, and (l - max) / T <= 0 cannot overflow to +inf even for tiny T
     # (it may underflow to -inf, which is just a zero-probability token).
-    rows -= row_max
-    with np.errstate(over="ignore"):  # overflow here is the intended -inf
-        rows /= temperature
-
-    vocab = rows.shape[-1]
+    rows = _scaled(logits, row_max, temperature)
     if 0 < top_k < vocab:
         rows = _mask_top_k(rows, top_k)
     if top_p < 1.0:
-        rows = _mask_top_p(rows, top_p)
+        return _top_p_probs(rows, np.zeros_like(row_max), 1.0, top_p).reshape(x.shape)
     return _softmax(rows).reshape(x.shape)
+
+
+def _scaled(logits: np.ndarray, shift: np.ndarray | float, temperature: float) -> np.ndarray:
+    """``(l - shift) / T`` in float64, a fresh array."""
+    rows = np.subtract(logits, shift, dtype=np.float64)
+    with np.errstate(over="ignore"):  # overflow here is the intended -inf
+        rows /= temperature
+    return rows
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -111,7 +121,7 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     # After top-k / top-p most entries are 0. Adding 0.0 leaves a float sum unchanged, so the
     # cumulative sums over the nonzero entries are those of the whole row, and the first
     # index past u * total is the same token: walk only those (same result, bit for bit).
-    support = np.flatnonzero(p)
+    support = np.flatnonzero(p != 0)  # a float row's nonzero() is 10x slower than a compare
     if 2 * support.size < p.shape[0]:
         p = p[support]
     else:
@@ -153,80 +163,75 @@ def _mask_top_k(rows: np.ndarray, k: int) -> np.ndarray:
     return np.where(rows >= kth, rows, -np.inf)
 
 
-def _mask_top_p(rows: np.ndarray, top_p: float) -> np.ndarray:
-    """HF top-p; mostly masked rows (a draft head over part of the vocabulary, or after
-    top-k) are first compacted to their unmasked entries, in vocabulary order, since
-    ``np.partition`` is ~10x slower on the long run of equal ``-inf`` values."""
-    unmasked = rows > -np.inf
-    if unmasked.sum(axis=-1).max() > rows.shape[-1] // 2:
-        return _mask_top_p_dense(rows, top_p)
-    cand, rr, cc, pos = _compact(rows, unmasked)
-    kept = _mask_top_p_dense(cand, top_p)
-    out = np.full(rows.shape, -np.inf, dtype=rows.dtype)
-    out[rr, cc] = kept[rr, pos]
+def _top_p_probs(logits: np.ndarray, shift: np.ndarray, temperature: float,
+                 top_p: float) -> np.ndarray:
+    """HF top-p on ``l = (logits - shift) / T`` (``shift`` the row max, or 0 for rows
+    already scaled and top-k-masked), then softmax over the survivors, row by row.
+
+    HF sorts ascending and drops token ``j`` when ``c_asc(j) <= 1 - top_p``, keeping at
+    least the most probable token. Since ``c_asc(j) = 1 - e(j) / Z``, where ``e(j)`` is the
+    unnormalised mass ``sum exp(l)`` of the tokens ranked strictly above ``j`` and ``Z`` the
+    row's, this keeps ``j`` iff ``e(j) < top_p * Z`` (plus the top token): only the top of
+    the ranking and the total ``Z`` are needed. :func:`_nucleus` finds the kept tokens
+    from an estimate of ``Z``; the exact ``Z`` costs an exp over the whole row in float64,
+    five times a float32 one, so it is computed only for the rare row whose decision the
+    estimate cannot settle.
+    """
+    out = np.zeros(logits.shape)
+    # Z >= 1 (the max is exp(0)), so the tokens with l < deep hold less than 1e-6 of it:
+    # bounded, not summed. The rest in float32 (exp, float64 sum): relative error < 1e-6,
+    # since rounding l costs |l| * 6e-8 per term and sum p_j |l_j| <= log V; exp adds
+    # < 4 ulp. The estimate is thus within 1.5e-6 of Z, a sixth of the tolerance given.
+    vocab = logits.shape[-1]
+    deep = np.log(1e-6 / vocab)
+    for i, (row, m) in enumerate(zip(logits, shift[:, 0])):
+        ids = np.flatnonzero(row >= m + temperature * deep)
+        vals = _scaled(row.take(ids), m, temperature)  # take: 3x a boolean mask's speed
+        e32 = vals.astype(np.float32)
+        estimate = np.exp(e32, out=e32).sum(dtype=np.float64)
+        estimate += np.exp(deep) * (vocab - ids.size) / 2
+        kept = _nucleus(ids, vals, vocab, top_p, estimate, 1e-5)
+        if kept is None:
+            full = _scaled(row, m, temperature)
+            ids = np.flatnonzero(full > -np.inf)
+            kept = _nucleus(ids, full.take(ids), vocab, top_p, np.exp(full).sum(), 0.0)
+        e = np.exp(_scaled(row.take(kept), m, temperature))
+        out[i, kept] = e / e.sum()
     return out
 
 
-def _mask_top_p_dense(rows: np.ndarray, top_p: float) -> np.ndarray:
-    """HF top-p on ``rows`` (already temperature-scaled and top-k-masked).
+def _nucleus(ids: np.ndarray, vals: np.ndarray, vocab: int, top_p: float, z: float,
+             tol: float) -> np.ndarray | None:
+    """The ids that top-p keeps, ascending, from the tokens ``ids`` with logits ``vals``
+    (all the tokens with a logit above some bound, in vocabulary order) and ``z`` within
+    relative ``tol`` of the row's ``Z``. None when that does not decide (a token's
+    ``e(j)``, or the candidates' coverage, within ``tol`` of ``top_p * Z``).
 
-    HF sorts ascending and drops token ``j`` when ``c_asc(j) <= 1 - top_p``, keeping at
-    least the most probable token. Since ``c_asc(j) = 1 - e(j)``, where ``e(j)`` is the
-    mass of the tokens ranked strictly above ``j``, this is the same as keeping ``j``
-    iff ``e(j) < top_p`` (plus the top token), which only needs the highest-ranked
-    tokens: once a candidate set of top tokens holds mass ``>= top_p``, every token
-    outside it has ``e >= top_p`` and is dropped. The candidates are the tokens with
-    ``p >= (1 - top_p) / V``: the others, fewer than V, hold less than ``1 - top_p``
-    together, so the candidates hold more than ``top_p``. For LM distributions they are a
-    few hundred tokens, which are then sorted; a flat row falls back to sorting them all.
-
-    Ranking is by logit with ties in vocabulary order, exactly a stable ascending sort
-    of the whole row (HF's ``torch.sort`` leaves the order of ties unspecified): the
-    candidates are chosen by value, so they never split a tie.
+    Candidates are the tokens with ``exp(l) >= (1 - top_p) * Z / V``: the others, fewer
+    than V, hold less than ``(1 - top_p) * Z`` together, so the candidates hold more than
+    ``top_p * Z`` and every token outside them is dropped (checked, so any bound works).
+    For LM rows they are a few hundred tokens, which are sorted; a flat row falls back to
+    sorting all ``ids``. Ranking is by logit with ties in vocabulary order, exactly a
+    stable ascending sort of the whole row reversed (HF's ``torch.sort`` leaves the order
+    of ties unspecified): candidates are chosen by value, so they never split a tie.
     """
-    vocab = rows.shape[-1]
-    probs = _softmax_dense(rows)
-    unmasked = rows > -np.inf
-    width = int(unmasked.sum(axis=-1).max())
-    cand = probs >= (1.0 - top_p) / vocab
-    if 4 * int(cand.sum(axis=-1).max()) < width:
-        keep, covered = _nucleus(rows, probs, cand & unmasked, top_p)
-        if covered.all():  # always, up to rounding in the sums
-            return np.where(keep, rows, -np.inf)
-    keep, _ = _nucleus(rows, probs, None if width == vocab else unmasked, top_p)
-    return np.where(keep, rows, -np.inf)
-
-
-def _nucleus(
-    rows: np.ndarray, probs: np.ndarray, cand_mask: np.ndarray | None, top_p: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """Top-p keep mask computed over the candidate tokens ``cand_mask`` (None: all).
-
-    Returns ``(keep [N, V], covered [N])``; ``keep`` is exact for rows where ``covered``
-    (the candidates hold mass ``>= top_p``, so everything outside is dropped anyway).
-    """
-    if cand_mask is None:
-        cand, cand_probs = rows, probs
-    else:
-        cand, rr, cc, pos = _compact(rows, cand_mask)
-        cand_probs = np.zeros_like(cand)
-        cand_probs[rr, pos] = probs[rr, cc]
-    # Descending rank = reversed stable ascending sort, so equal logits rank exactly as
-    # in HF's ascending formulation; -inf padding sorts last with probability 0.
-    desc = np.argsort(cand, axis=-1, kind="stable")[:, ::-1]
-    mass_incl = np.cumsum(np.take_along_axis(cand_probs, desc, axis=-1), axis=-1)
-    mass_above = np.zeros_like(mass_incl)
-    mass_above[:, 1:] = mass_incl[:, :-1]
-    keep_sorted = mass_above < top_p
-    keep_sorted[:, 0] = True  # min_tokens_to_keep = 1: the argmax always survives
-    keep_cand = np.empty_like(keep_sorted)
-    np.put_along_axis(keep_cand, desc, keep_sorted, axis=-1)
-    if cand_mask is None:
-        keep = keep_cand
-    else:
-        keep = np.zeros(rows.shape, dtype=bool)
-        keep[rr, cc] = keep_cand[rr, pos]
-    return keep, mass_incl[:, -1] >= top_p
+    t = top_p * z
+    cut = np.log((1.0 - top_p) * z / vocab) - 2 * tol if top_p < 1.0 else -np.inf
+    for cand in (np.flatnonzero(vals >= cut), None):
+        cand_ids, cand_vals = (ids, vals) if cand is None else (ids[cand], vals[cand])
+        order = np.argsort(cand_vals, kind="stable")[::-1]
+        mass = np.exp(cand_vals[order])
+        above = np.zeros_like(mass)
+        np.cumsum(mass[:-1], out=above[1:])
+        if above[-1] + mass[-1] >= t * (1 + tol):
+            break
+        if tol:
+            return None  # coverage undecided, or the given tokens too few
+    keep = above < t
+    keep[0] = True  # min_tokens_to_keep = 1: the argmax always survives
+    if tol and (np.abs(above[1:] - t) <= tol * t).any():
+        return None
+    return np.sort(cand_ids[order[keep]])
 
 
 def _compact(

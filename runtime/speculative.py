@@ -100,8 +100,8 @@ def verify_greedy(draft_ids: Sequence[int], target_logits: np.ndarray) -> tuple[
 
 def verify_sampled(
     draft_ids: Sequence[int],
-    q_probs: np.ndarray | None,
-    p_probs: np.ndarray,
+    q_probs: np.ndarray | Sequence[np.ndarray] | None,
+    p_probs: np.ndarray | Sequence[np.ndarray],
     rng: np.random.Generator,
 ) -> tuple[int, int]:
     """Sampled verification (DESIGN steps 3, 4 and 6).
@@ -126,8 +126,11 @@ def verify_sampled(
 
     Args:
         draft_ids: the K drafted tokens (K may be 0: just samples from ``p_probs[0]``).
-        q_probs: processed draft probabilities, shape ``[K, V]``, or None (one-hot).
-        p_probs: processed target probabilities, shape ``[K + 1, V]``.
+        q_probs: processed draft probabilities, shape ``[K, V]`` or K rows, or None
+            (one-hot).
+        p_probs: processed target probabilities, shape ``[K + 1, V]`` or K + 1 rows. Rows
+            are read in order and only as far as needed (a sequence may compute each
+            when first read: after a rejection at ``i`` the rows after it are unused).
         rng: the generator the whole decode loop shares.
 
     Returns:
@@ -137,17 +140,17 @@ def verify_sampled(
         ValueError: shapes that do not match ``K``, or a draft id outside ``[0, V)``.
     """
     k = len(draft_ids)
-    p_all = np.asarray(p_probs)
-    if p_all.ndim != 2 or p_all.shape[0] != k + 1:
+    p_all, q_all = p_probs, q_probs
+    if len(p_all) != k + 1 or (isinstance(p_all, np.ndarray) and p_all.ndim != 2):
         raise ValueError(
             f"verify_sampled: p_probs must have shape [K + 1, V] = [{k + 1}, V] for {k} "
-            f"draft tokens, got {p_all.shape}"
+            f"draft tokens, got {np.shape(p_all) if isinstance(p_all, np.ndarray) else len(p_all)}"
         )
-    vocab = p_all.shape[1]
-    q_all = None if q_probs is None else np.asarray(q_probs)
-    if q_all is not None and q_all.shape != (k, vocab):
+    vocab = len(p_all[0])
+    if q_all is not None and (len(q_all) != k or any(np.shape(row) != (vocab,) for row in q_all)):
         raise ValueError(
-            f"verify_sampled: q_probs must have shape [K, V] = [{k}, {vocab}], got {q_all.shape}"
+            f"verify_sampled: q_probs must have shape [K, V] = [{k}, {vocab}], got "
+            f"{[np.shape(row) for row in q_all]}"
         )
 
     for i, tok in enumerate(draft_ids):
@@ -157,8 +160,8 @@ def verify_sampled(
             raise ValueError(
                 f"verify_sampled: draft token {x} at position {i} is not in [0, {vocab})"
             )
-        p_x = p_all[i, x]
-        q_x = 1.0 if q_all is None else q_all[i, x]
+        p_x = p_all[i][x]
+        q_x = 1.0 if q_all is None else q_all[i][x]
         if rng.random() * q_x < p_x:
             continue
         if q_all is None:

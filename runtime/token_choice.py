@@ -16,6 +16,7 @@ the two agree in distribution, and token for token when greedy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,14 +50,31 @@ class HostChoice:
         x = sample(q[-1], rng)
         return x, q[-1][x]
 
-    def q(self, q: list) -> np.ndarray | None:
-        return np.stack(q) if q else None
+    def q(self, q: list) -> list | None:
+        return q or None
 
     def verify(self, rows: np.ndarray, drafts: list[int], q: np.ndarray | None,
                sampling: Sampling, rng: np.random.Generator) -> tuple[int, int]:
         if sampling.greedy:
             return verify_greedy(drafts, rows)
-        return verify_sampled(drafts, q, sampling.probs(rows), rng)
+        # Each p_i is processed when verification reaches it (DESIGN step 3 stops at the
+        # first rejection, so the rows after it are never needed).
+        return verify_sampled(drafts, q, _RowsOnDemand(rows, sampling.probs), rng)
+
+
+class _RowsOnDemand(Sequence):
+    """`process(logits[i])`, computed the first time row i is read."""
+
+    def __init__(self, logits: np.ndarray, process):
+        self._logits, self._process, self._rows = logits, process, {}
+
+    def __len__(self) -> int:
+        return len(self._logits)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i not in self._rows:
+            self._rows[i] = self._process(self._logits[i])
+        return self._rows[i]
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def check_device_kv(memory) -> dict:
         dev.write(t)
         memory.synchronize()
         write_seconds.append(time.perf_counter() - t0)
-        host.write(list(rows[0::2]), list(rows[1::2]))
+        host.write(rows)
         if rng.random() < 0.5:
             back = int(rng.integers(max(0, host.length - t), host.length + 1))
             dev.rollback(back)

@@ -60,7 +60,7 @@ def test_row_copies_match_the_host_cache_through_writes_and_rollbacks():
                                     SPEC.head_dim)).astype(np.float32)
         _fill_presents(memory, dev, rows, t)
         dev.write(t)
-        host.write(list(rows[0::2]), list(rows[1::2]))
+        host.write(rows)
         if rollback_to is not None:
             dev.rollback(rollback_to)
             host.rollback(rollback_to)

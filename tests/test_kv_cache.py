@@ -63,16 +63,14 @@ def test_cache_full_is_an_error_not_an_overflow(backend):
 
 def test_kvcache_write_and_rollback_arithmetic():
     cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=5)
-    rows = [np.full((1, 1, 3, 2), 7.0, np.float32)] * 2
-    cache.write(rows, rows)
+    cache.write(np.full((4, 1, 1, 3, 2), 7.0, np.float32))
     assert cache.length == 3 and cache.keys[1][0, 0, 2, 0] == 7.0
     cache.rollback(1)
     assert cache.length == 1
     with pytest.raises(ValueError):
         cache.rollback(2)
     with pytest.raises(ValueError):
-        cache.write([np.zeros((1, 1, 5, 2), np.float32)] * 2,
-                    [np.zeros((1, 1, 5, 2), np.float32)] * 2)
+        cache.write(np.zeros((4, 1, 1, 5, 2), np.float32))
 
 
 def test_capacity_for():

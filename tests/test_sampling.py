@@ -269,6 +269,40 @@ def test_mostly_masked_rows():
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
 
 
+def test_float32_logits_match_the_reference_on_their_values():
+    # Backends return float32 rows; top-p then reads them without a float64 copy.
+    rng = np.random.default_rng(6)
+    for top_k, top_p in [(0, 0.9), (0, 0.5), (0, 0.999), (50, 0.9)]:
+        logits = (rng.normal(size=(4, 49152)) * 4).astype(np.float32)
+        got = process_logits(logits, 0.7, top_k=top_k, top_p=top_p)
+        want = hf_reference(logits.astype(np.float64), 0.7, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+        np.testing.assert_array_equal(got[1], process_logits(logits[1], 0.7, top_k, top_p))
+
+
+def test_top_p_decisions_too_close_for_the_estimate_use_the_exact_total(monkeypatch):
+    # p = [0.45, 0.45, 0.1 - 1e-7, 1e-7 spread over many tokens], top_p = 0.9: the third
+    # token's mass above, 0.9 Z, sits within the float32 estimate's tolerance of top_p Z,
+    # so the exact float64 total must decide, as the reference does.
+    from specedge.runtime import sampling
+
+    calls = []
+    nucleus = sampling._nucleus
+    monkeypatch.setattr(sampling, "_nucleus",
+                        lambda *a: calls.append(a[-1]) or nucleus(*a))
+    tail = 2000
+    probs = np.concatenate([[0.45, 0.45, 0.1 - 1e-7], np.full(tail, 1e-7 / tail)])
+    for eps in (0.0, 1e-9, -1e-9):
+        logits = np.log(probs * np.exp(np.r_[0, 0, eps, np.zeros(tail)]))
+        calls.clear()
+        got = process_logits(logits, 1.0, top_p=0.9)
+        assert calls == [1e-5, 0.0]  # the estimate could not decide; the exact path did
+        want = hf_reference(logits, 1.0, 0, 0.9)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
 def test_all_masked_row_raises():
     logits = np.zeros((3, 4))
     logits[1] = -np.inf
@@ -492,6 +526,31 @@ def test_verify_sampled_uniform_budget():
     assert verify_sampled([1], np.array([[0.0, 1.0]]), p, a) == (0, 0)
     b.random(2)
     assert a.random() == b.random()
+
+
+def test_verify_sampled_reads_rows_on_demand():
+    # Rows given as a sequence are read in order and no further than needed, with the same
+    # result and uniforms as the array.
+    class Rows:
+        def __init__(self, rows):
+            self.rows, self.read = rows, set()
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            self.read.add(i)
+            return self.rows[i]
+
+    rng = np.random.default_rng(21)
+    for seed in range(200):
+        p = rng.dirichlet(np.full(6, 0.5), size=4)
+        q = rng.dirichlet(np.full(6, 0.5), size=3)
+        drafts = rng.integers(6, size=3).tolist()
+        rows = Rows(p)
+        got = verify_sampled(drafts, list(q), rows, np.random.default_rng(seed))
+        assert got == verify_sampled(drafts, q, p, np.random.default_rng(seed))
+        assert rows.read == set(range(got[0] + 1))
 
 
 def test_verify_sampled_is_reproducible():
