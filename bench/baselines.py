@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,18 +63,35 @@ def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: 
     return results
 
 
+def _llama_cpp_batch(gguf: Path, threads: int) -> int:
+    """512 when llama.cpp evaluates a multi-token batch on this CPU, else 1. On some CPUs
+    (a build with native CPU features) such a batch crashes the process (DESIGN.md), so it
+    is tried once in a child process first."""
+    probe = ("import sys; from llama_cpp import Llama; "
+             "llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), "
+             "n_batch=512, verbose=False); llm.eval(llm.tokenize(b'Hello there, how are you "
+             "doing today? I am fine.'))")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, str(gguf), str(threads)],
+                              capture_output=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return 1
+    return 512 if done.returncode == 0 else 1
+
+
 def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens: int,
                   threads: int) -> dict:
     """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, timed end to end
     (prompt evaluation included) like the other systems."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return {"llama.cpp plain": {"skipped": "llama-cpp-python not installed"}}
+        return {"llama.cpp plain": {"skipped": "llama-cpp-python not installed "
+                                               "(bash scripts/install_llama_cpp.sh)"}}
     if gguf is None:
         return {"llama.cpp plain": {"skipped": "no GGUF for this bundle"}}
     from llama_cpp import Llama
 
-    # n_batch=1: on some CPUs llama.cpp's multi-token batches crash (DESIGN.md).
-    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=1,
+    n_batch = _llama_cpp_batch(gguf, threads)
+    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=n_batch,
                 verbose=False)
     tokens, seconds = 0, 0.0
     for ids in prompt_ids:
@@ -85,4 +104,4 @@ def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens
         seconds += time.perf_counter() - t0
         tokens += n
     return {"llama.cpp plain": {"tokens": tokens, "seconds": seconds,
-                                "tokens_per_second": tokens / seconds}}
+                                "tokens_per_second": tokens / seconds, "n_batch": n_batch}}

@@ -65,3 +65,17 @@ def test_bench_runs_on_another_backend(tiny_bundle, tmp_path):
     results = json.loads((out / "bench.json").read_text())
     assert results["backend"] == "host-emulated"
     assert results["configurations"]["sampled/draft K=2"]["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize(("crashes", "n_batch"), [(True, 1), (False, 512)])
+def test_llama_cpp_batch_probe_survives_a_crash(tmp_path, monkeypatch, crashes, n_batch):
+    # On some CPUs llama.cpp's multi-token batches kill the process: the bench probes them
+    # in a child (here a stand-in llama_cpp module that aborts) and falls back to n_batch 1.
+    from specedge.bench import baselines
+
+    (tmp_path / "llama_cpp.py").write_text(
+        "import os\n\n\nclass Llama:\n    def __init__(self, **kwargs):\n        pass\n\n"
+        "    def tokenize(self, text):\n        return [1, 2, 3]\n\n"
+        f"    def eval(self, ids):\n        {'os.abort()' if crashes else 'pass'}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert baselines._llama_cpp_batch(tmp_path / "model.gguf", 2) == n_batch
