@@ -140,11 +140,11 @@ def verify_sampled(
         ValueError: shapes that do not match ``K``, or a draft id outside ``[0, V)``.
     """
     k = len(draft_ids)
-    p_all, q_all = p_probs, q_probs
-    if len(p_all) != k + 1 or (isinstance(p_all, np.ndarray) and p_all.ndim != 2):
+    p_all, q_all = p_probs, q_probs  # arrays or sequences of rows: only row reads below
+    if len(p_all) != k + 1 or np.ndim(p_all[0]) != 1:
         raise ValueError(
             f"verify_sampled: p_probs must have shape [K + 1, V] = [{k + 1}, V] for {k} "
-            f"draft tokens, got {np.shape(p_all) if isinstance(p_all, np.ndarray) else len(p_all)}"
+            f"draft tokens, got {len(p_all)} rows of shape {np.shape(p_all[0])}"
         )
     vocab = len(p_all[0])
     if q_all is not None and (len(q_all) != k or any(np.shape(row) != (vocab,) for row in q_all)):

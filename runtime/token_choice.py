@@ -53,7 +53,7 @@ class HostChoice:
     def q(self, q: list) -> list | None:
         return q or None
 
-    def verify(self, rows: np.ndarray, drafts: list[int], q: np.ndarray | None,
+    def verify(self, rows: np.ndarray, drafts: list[int], q: list | None,
                sampling: Sampling, rng: np.random.Generator) -> tuple[int, int]:
         if sampling.greedy:
             return verify_greedy(drafts, rows)
