@@ -185,7 +185,11 @@ def _top_p_probs(logits: np.ndarray, shift: np.ndarray, temperature: float,
     vocab = logits.shape[-1]
     deep = np.log(1e-6 / vocab)
     for i, (row, m) in enumerate(zip(logits, shift[:, 0])):
-        ids = np.flatnonzero(row >= m + temperature * deep)
+        # Compared in the row's dtype, rounded down so that every token left out is below.
+        cut = row.dtype.type(m + temperature * deep)
+        if cut > m + temperature * deep:
+            cut = np.nextafter(cut, -np.inf, dtype=row.dtype)
+        ids = np.flatnonzero(row >= cut)
         vals = _scaled(row.take(ids), m, temperature)  # take: 3x a boolean mask's speed
         e32 = vals.astype(np.float32)
         estimate = np.exp(e32, out=e32).sum(dtype=np.float64)
