@@ -55,6 +55,8 @@ def process_logits(
         ValueError: bad settings, or a row with no finite logit / a NaN / a ``+inf``.
     """
     x = np.asarray(logits)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)  # top-p compares in the logits' own dtype
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"process_logits: expected logits of shape [V] or [N, V], got {x.shape}")
     if not temperature > 0:

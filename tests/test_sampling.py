@@ -281,6 +281,12 @@ def test_float32_logits_match_the_reference_on_their_values():
         np.testing.assert_array_equal(got[1], process_logits(logits[1], 0.7, top_k, top_p))
 
 
+def test_integer_logits_are_read_as_floats():
+    for top_p in (1.0, 0.9):
+        np.testing.assert_allclose(process_logits([1, 2, 3], 1.0, top_p=top_p),
+                                   hf_reference(np.array([1.0, 2.0, 3.0]), 1.0, 0, top_p))
+
+
 def test_top_p_decisions_too_close_for_the_estimate_use_the_exact_total(monkeypatch):
     # p = [0.45, 0.45, 0.1 - 1e-7, 1e-7 spread over many tokens], top_p = 0.9: the third
     # token's mass above, 0.9 Z, sits within the float32 estimate's tolerance of top_p Z,
