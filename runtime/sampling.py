@@ -188,28 +188,30 @@ def _top_p_probs(logits: np.ndarray, shift: np.ndarray, temperature: float,
     deep = np.log(1e-6 / vocab)
     for i, (row, m) in enumerate(zip(logits, shift[:, 0])):
         # Compared in the row's dtype, rounded down so that every token left out is below.
-        cut = row.dtype.type(m + temperature * deep)
-        if cut > m + temperature * deep:
+        bound = m + temperature * deep
+        cut = row.dtype.type(bound)
+        if cut > bound:
             cut = np.nextafter(cut, -np.inf, dtype=row.dtype)
         ids = np.flatnonzero(row >= cut)
         vals = _scaled(row.take(ids), m, temperature)  # take: 3x a boolean mask's speed
         e32 = vals.astype(np.float32)
         estimate = np.exp(e32, out=e32).sum(dtype=np.float64)
         estimate += np.exp(deep) * (vocab - ids.size) / 2
-        kept = _nucleus(ids, vals, vocab, top_p, estimate, 1e-5)
+        kept = _nucleus(vals, vocab, top_p, estimate, 1e-5)
         if kept is None:
             full = _scaled(row, m, temperature)
             ids = np.flatnonzero(full > -np.inf)
-            kept = _nucleus(ids, full.take(ids), vocab, top_p, np.exp(full).sum(), 0.0)
-        e = np.exp(_scaled(row.take(kept), m, temperature))
-        out[i, kept] = e / e.sum()
+            vals = full.take(ids)
+            kept = _nucleus(vals, vocab, top_p, np.exp(full).sum(), 0.0)
+        e = np.exp(vals[kept])
+        out[i, ids[kept]] = e / e.sum()
     return out
 
 
-def _nucleus(ids: np.ndarray, vals: np.ndarray, vocab: int, top_p: float, z: float,
+def _nucleus(vals: np.ndarray, vocab: int, top_p: float, z: float,
              tol: float) -> np.ndarray | None:
-    """The ids that top-p keeps, ascending, from the tokens ``ids`` with logits ``vals``
-    (all the tokens with a logit above some bound, in vocabulary order) and ``z`` within
+    """Positions in ``vals`` of the tokens that top-p keeps, ascending, given the logits
+    ``vals`` of all the tokens above some bound (in vocabulary order) and ``z`` within
     relative ``tol`` of the row's ``Z``. None when that does not decide (a token's
     ``e(j)``, or the candidates' coverage, within ``tol`` of ``top_p * Z``).
 
@@ -217,16 +219,15 @@ def _nucleus(ids: np.ndarray, vals: np.ndarray, vocab: int, top_p: float, z: flo
     than V, hold less than ``(1 - top_p) * Z`` together, so the candidates hold more than
     ``top_p * Z`` and every token outside them is dropped (checked, so any bound works).
     For LM rows they are a few hundred tokens, which are sorted; a flat row falls back to
-    sorting all ``ids``. Ranking is by logit with ties in vocabulary order, exactly a
+    sorting all of ``vals``. Ranking is by logit with ties in vocabulary order, exactly a
     stable ascending sort of the whole row reversed (HF's ``torch.sort`` leaves the order
     of ties unspecified): candidates are chosen by value, so they never split a tie.
     """
     t = top_p * z
     cut = np.log((1.0 - top_p) * z / vocab) - 2 * tol if top_p < 1.0 else -np.inf
-    for cand in (np.flatnonzero(vals >= cut), None):
-        cand_ids, cand_vals = (ids, vals) if cand is None else (ids[cand], vals[cand])
-        order = np.argsort(cand_vals, kind="stable")[::-1]
-        mass = np.exp(cand_vals[order])
+    for cand in (np.flatnonzero(vals >= cut), np.arange(vals.size)):
+        order = cand[np.argsort(vals[cand], kind="stable")[::-1]]
+        mass = np.exp(vals[order])
         above = np.zeros_like(mass)
         np.cumsum(mass[:-1], out=above[1:])
         if above[-1] + mass[-1] >= t * (1 + tol):
@@ -237,7 +238,7 @@ def _nucleus(ids: np.ndarray, vals: np.ndarray, vocab: int, top_p: float, z: flo
     keep[0] = True  # min_tokens_to_keep = 1: the argmax always survives
     if tol and (np.abs(above[1:] - t) <= tol * t).any():
         return None
-    return np.sort(cand_ids[order[keep]])
+    return np.sort(order[keep])
 
 
 def _compact(

@@ -140,17 +140,17 @@ def verify_sampled(
         ValueError: shapes that do not match ``K``, or a draft id outside ``[0, V)``.
     """
     k = len(draft_ids)
-    p_all, q_all = p_probs, q_probs  # arrays or sequences of rows: only row reads below
-    if len(p_all) != k + 1 or np.ndim(p_all[0]) != 1:
+    if len(p_probs) != k + 1 or np.ndim(p_probs[0]) != 1:
         raise ValueError(
             f"verify_sampled: p_probs must have shape [K + 1, V] = [{k + 1}, V] for {k} "
-            f"draft tokens, got {len(p_all)} rows of shape {np.shape(p_all[0])}"
+            f"draft tokens, got {len(p_probs)} rows of shape {np.shape(p_probs[0])}"
         )
-    vocab = len(p_all[0])
-    if q_all is not None and (len(q_all) != k or any(np.shape(row) != (vocab,) for row in q_all)):
+    vocab = len(p_probs[0])
+    if q_probs is not None and (len(q_probs) != k
+                                or any(np.shape(row) != (vocab,) for row in q_probs)):
         raise ValueError(
             f"verify_sampled: q_probs must have shape [K, V] = [{k}, {vocab}], got "
-            f"{[np.shape(row) for row in q_all]}"
+            f"{[np.shape(row) for row in q_probs]}"
         )
 
     for i, tok in enumerate(draft_ids):
@@ -160,16 +160,16 @@ def verify_sampled(
             raise ValueError(
                 f"verify_sampled: draft token {x} at position {i} is not in [0, {vocab})"
             )
-        p_x = p_all[i][x]
-        q_x = 1.0 if q_all is None else q_all[i][x]
+        p_x = p_probs[i][x]
+        q_x = 1.0 if q_probs is None else q_probs[i][x]
         if rng.random() * q_x < p_x:
             continue
-        if q_all is None:
-            resid = _residual_one_hot(p_all[i], x)
+        if q_probs is None:
+            resid = _residual_one_hot(p_probs[i], x)
         else:
-            resid = residual(p_all[i], q_all[i])
+            resid = residual(p_probs[i], q_probs[i])
         return i, sample(resid, rng)
-    return k, sample(p_all[k], rng)
+    return k, sample(p_probs[k], rng)
 
 
 def _residual_one_hot(p: np.ndarray, x: int) -> np.ndarray:
