@@ -25,7 +25,7 @@ from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, FORMAT_VERSION, K
 from .distill import check_distilled_draft, is_distilled_draft, load_draft
 from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
 from .feature_draft import FeatureDraft
-from .graph import OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
+from .graph import GRAPH_REVISION, OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
 from .quantize import PERPLEXITY_TEXT, PRECISIONS, quantization_report, quantize_graph
 from .sources import load_model, resolve_checkpoint
 from .verify import graph_features, verify_feature_draft, verify_graph
@@ -97,7 +97,8 @@ def export_args(model: str, draft: str | None, draft_layers: int | None,
     """What a bundle was made from: an up-to-date bundle has exactly these."""
     return {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
             "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
-            "max_context": max_context, "precision": precision}
+            "max_context": max_context, "precision": precision,
+            "graph_revision": GRAPH_REVISION}
 
 
 def is_current(out: Path, args: dict) -> bool:

@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from .graph import _last_positions, _lm_head, llama_layer
+from .graph import _last_positions, _lm_head, llama_bias, llama_layer, rotary_tables
 
 
 class FeatureDraft(nn.Module):
@@ -90,8 +90,10 @@ class FeatureDraft(nn.Module):
                 features):
         """The graph: one call over T pairs with the bundle's KV-cache contract."""
         x = self._pairs(input_ids, features)
-        cos, sin = self.rotary_emb(x, position_ids)
-        x, k, v = llama_layer(self.layer, x, cos, sin, past_k, past_v, past_length)
+        rotary = rotary_tables(*self.rotary_emb(x, position_ids),
+                               self.layer.self_attn.head_dim)
+        bias = llama_bias(self.config, past_length, past_k, input_ids, x.dtype)
+        x, k, v = llama_layer(self.layer, x, rotary, past_k, past_v, bias)
         return _lm_head(self, _last_positions(x, logits_to_keep)), k, v, x
 
 

@@ -28,29 +28,44 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2",)
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY
 OPSET = 21
+# Bumped when the same checkpoint would export to a different graph, so that bundles made
+# by an older exporter are not taken as up to date (export/bundle.py). 2: one mask, fused
+# projections and constant shapes (2845 -> 1060 nodes for SmolLM2 after ORT's fusions).
+GRAPH_REVISION = 2
+
+
+def attention_bias(past_length: torch.Tensor, capacity, t, groups: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive masks, built once per call and shared by every layer: [C] for the cache
+    (rows >= past_length are empty) and [G*T, T] causal for the new rows (queries grouped)."""
+    neg = torch.finfo(dtype).min
+    past_valid = torch.arange(capacity) < past_length
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return (torch.where(past_valid, 0.0, neg).to(dtype),
+            torch.where(causal, 0.0, neg).to(dtype).repeat(groups, 1))
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     past_k: torch.Tensor, past_v: torch.Tensor, past_length: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [1, H, T, D]; k, v [1, Hkv, T, D]; past_k, past_v [1, Hkv, C, D] -> [1, T, H*D]."""
-    _, heads, t, d = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
+                     past_k: torch.Tensor, past_v: torch.Tensor,
+                     bias: tuple[torch.Tensor, torch.Tensor],
+                     shape: tuple[int, int, int]) -> torch.Tensor:
+    """q [1, H, T, D], already scaled; k, v [1, Hkv, T, D]; past_k, past_v [1, Hkv, C, D];
+    bias from `attention_bias`; shape (H, Hkv, D) -> [1, T, H*D].
+
+    Sizes come in as Python ints, not read from the tensors, and the cache size is read
+    from the shared bias: a traced tensor's size would become a Shape/Gather/Concat chain
+    recomputed in every layer, a few microseconds of ONNX Runtime overhead per node.
+    """
+    heads, kv_heads, d = shape
+    capacity = bias[0].shape[0]
     # Query head h reads KV head h // groups (HF repeat_kv order), so grouping the queries
     # is a free reshape, while repeating K/V would copy the cache.
-    qg = q.reshape(1, kv_heads, groups * t, d)
-    capacity = past_k.shape[2]
-    neg = torch.finfo(q.dtype).min
-    past_valid = torch.arange(capacity, device=q.device) < past_length
-    past_bias = torch.where(past_valid, 0.0, neg).to(q.dtype)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    new_bias = torch.where(causal, 0.0, neg).to(q.dtype).repeat(groups, 1)
-    s_past = torch.matmul(qg, past_k.transpose(-1, -2)) * scale + past_bias
-    s_new = torch.matmul(qg, k.transpose(-1, -2)) * scale + new_bias
+    qg = q.reshape(1, kv_heads, -1, d)
+    s_past = torch.matmul(qg, past_k.transpose(-1, -2)) + bias[0]
+    s_new = torch.matmul(qg, k.transpose(-1, -2)) + bias[1]
     a = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
     out = torch.matmul(a[..., :capacity], past_v) + torch.matmul(a[..., capacity:], v)
-    return out.reshape(1, heads, t, d).transpose(1, 2).reshape(1, t, heads * d)
+    return out.reshape(1, heads, -1, d).transpose(1, 2).reshape(1, -1, heads * d)
 
 
 def _last_positions(hidden: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor:
@@ -70,22 +85,65 @@ def _lm_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return full.scatter(1, head_ids.expand(flat.shape[0], -1), small).unsqueeze(0)
 
 
-def llama_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                past_k: torch.Tensor, past_v: torch.Tensor, past_length: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One Llama-family decoder layer over the cache: (x out, new K rows, new V rows)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, d: int) -> tuple[torch.Tensor, ...]:
+    """(cos, signed sin, permutation) for `rotate`, built once per call from the model's
+    rotary embedding [1, T, d]: HF's rotate_half(x) = cat(-x2, x1) = x[..., perm] * sign."""
+    half = d // 2
+    perm = torch.cat([torch.arange(half, 2 * half), torch.arange(half)])
+    sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin.dtype)
+    return cos.unsqueeze(1), (sin * sign).unsqueeze(1), perm
 
-    attn = layer.self_attn
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Rotary positions, x * cos + rotate_half(x) * sin, as one Gather and three
+    elementwise ops."""
+    cos, signed_sin, perm = tables
+    return x * cos + x[..., perm] * signed_sin
+
+
+def _fused(linears: list[nn.Module], scales: list[float]) -> tuple[torch.Tensor, ...]:
+    """One projection for several that read the same input: weights (and biases) stacked
+    along the output axis, so the graph runs one MatMul where the model runs several."""
+    weight = torch.cat([m.weight * s for m, s in zip(linears, scales)])
+    if all(m.bias is None for m in linears):
+        return weight, None
+    return weight, torch.cat([m.bias * s if m.bias is not None else
+                              torch.zeros(m.weight.shape[0]) for m, s in zip(linears, scales)])
+
+
+def llama_bias(config, past_length: torch.Tensor, past_k: torch.Tensor,
+               input_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_bias` for a Llama-family config's query grouping."""
+    groups = config.num_attention_heads // config.num_key_value_heads
+    return attention_bias(past_length, past_k.shape[2], input_ids.shape[1], groups, dtype)
+
+
+def llama_layer(layer: nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, ...],
+                past_k: torch.Tensor, past_v: torch.Tensor,
+                bias: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Llama-family decoder layer over the cache: (x out, new K rows, new V rows).
+
+    q, k, v come from one projection and gate, up from another (the exporter folds the
+    stacked weights into one constant each); the attention scale is folded into q's
+    weights, which commutes with the rotation.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    d = attn.head_dim
+    q_width, kv_width = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    heads, kv_heads = q_width // d, kv_width // d
     h = layer.input_layernorm(x)
-    t = h.shape[1]
-    q = attn.q_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(h).view(1, t, -1, attn.head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    o = cached_attention(q, k, v, past_k, past_v, past_length, attn.scaling)
+    qkv = torch.nn.functional.linear(h, *_fused([attn.q_proj, attn.k_proj, attn.v_proj],
+                                                [attn.scaling, 1.0, 1.0]))
+    qkv = qkv.reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
+    qk = rotate(qkv[:, :heads + kv_heads], rotary)
+    k, v = qk[:, heads:], qkv[:, heads + kv_heads:]
+    o = cached_attention(qk[:, :heads], k, v, past_k, past_v, bias, (heads, kv_heads, d))
     x = x + attn.o_proj(o)
-    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+    gate, up = torch.nn.functional.linear(
+        layer.post_attention_layernorm(x), *_fused([mlp.gate_proj, mlp.up_proj], [1.0, 1.0])
+    ).split(mlp.gate_proj.weight.shape[0], dim=-1)
+    return x + mlp.down_proj(mlp.act_fn(gate) * up), k, v
 
 
 class LlamaFamilyDecoder(nn.Module):
@@ -103,10 +161,12 @@ class LlamaFamilyDecoder(nn.Module):
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
         base = self.model.model
         x = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(x, position_ids)
+        rotary = rotary_tables(*base.rotary_emb(x, position_ids),
+                               base.layers[0].self_attn.head_dim)
+        bias = llama_bias(self.model.config, past_length, past[0], input_ids, x.dtype)
         presents = []
         for i, layer in enumerate(base.layers):
-            x, k, v = llama_layer(layer, x, cos, sin, past[2 * i], past[2 * i + 1], past_length)
+            x, k, v = llama_layer(layer, x, rotary, past[2 * i], past[2 * i + 1], bias)
             presents += [k, v]
         if not self.features:
             x = base.norm(_last_positions(x, logits_to_keep))
@@ -126,17 +186,18 @@ class GPT2Decoder(nn.Module):
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
         base = self.model.transformer
         x = base.wte(input_ids) + base.wpe(position_ids)
+        bias = attention_bias(past_length, past[0].shape[2], input_ids.shape[1], 1, x.dtype)
         presents = []
         for i, block in enumerate(base.h):
             attn = block.attn
-            t = x.shape[1]
             q, k, v = attn.c_attn(block.ln_1(x)).split(attn.embed_dim, dim=2)
-            q, k, v = (z.view(1, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+            q, k, v = (z.reshape(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
                        for z in (q, k, v))
             scale = attn.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
             if attn.scale_attn_by_inverse_layer_idx:
                 scale /= float(i + 1)
-            o = cached_attention(q, k, v, past[2 * i], past[2 * i + 1], past_length, scale)
+            o = cached_attention(q * scale, k, v, past[2 * i], past[2 * i + 1], bias,
+                                 (attn.num_heads, attn.num_heads, attn.head_dim))
             x = x + attn.c_proj(o)
             x = x + block.mlp(block.ln_2(x))
             presents += [k, v]

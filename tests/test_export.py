@@ -126,3 +126,38 @@ def test_graph_returns_only_the_new_rows(tiny_bundle):
     logits, *presents = session.run(None, feeds)
     assert logits.shape == (1, 2, spec.vocab_size)
     assert all(p.shape == (1, spec.num_kv_heads, 2, spec.head_dim) for p in presents)
+
+
+def test_layers_add_no_shape_arithmetic_and_one_projection_per_input(tmp_path):
+    """Each Llama layer adds the same ops whatever the depth: no Shape op (sizes are
+    constants; the mask and rotary tables are built once per call), and four weight
+    products (q/k/v fused, o, gate/up fused, down)."""
+    from collections import Counter
+
+    import onnx
+
+    counts = {}
+    for layers in (2, 4):
+        ckpt = save_tiny(tmp_path / f"ckpt{layers}", "llama", layers=layers)
+        export_bundle(str(ckpt), tmp_path / f"b{layers}")
+        graph = onnx.load(str(tmp_path / f"b{layers}" / "target.onnx")).graph
+        weights = {i.name for i in graph.initializer}
+        ops = Counter(n.op_type for n in graph.node)
+        ops["weight product"] = sum(n.op_type in ("MatMul", "Gemm") and n.input[1] in weights
+                                    for n in graph.node)
+        counts[layers] = ops
+    per_layer = {op: (counts[4][op] - counts[2][op]) / 2 for op in counts[4]}
+    assert per_layer["Shape"] == 0, per_layer
+    assert per_layer["weight product"] == 4, per_layer
+
+
+def test_bundle_from_an_older_exporter_is_re_exported(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "b"
+    export_bundle(str(tiny_checkpoints["gpt2"]), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["source"]["graph_revision"] -= 1
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    export_bundle(str(tiny_checkpoints["gpt2"]), out)
+    assert "up to date" not in capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["source"]["graph_revision"] == \
+        manifest["source"]["graph_revision"] + 1
