@@ -45,6 +45,17 @@ def test_graphs_are_quantized(quantized, tiny_bundle):
             weights = {i.name for i in graph.initializer}
             assert not [n.name for n in graph.node
                         if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+            bits = {n.name: next((a.i for a in n.attribute if a.name == "bits"), 4)
+                    for n in graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+            vocabulary = manifest["models"][role]["vocab_size"]
+            head = [n.name for n in graph.node if n.op_type == "MatMulNBits"
+                    and next(a.i for a in n.attribute if a.name == "N") == vocabulary]
+            embedding = [n.name for n in graph.node if n.op_type == "GatherBlockQuantized"]
+            assert len(head) == 1 and bits[head[0]] == 8  # int4 keeps the head at 8 bits
+            # GatherBlockQuantized is 4-bit only: int8 leaves the embedding in fp32
+            assert len(embedding) == (precision == "int4")
+            want = 4 if precision == "int4" else 8
+            assert {b for n, b in bits.items() if n not in head} == {want}
     assert (out / "target.onnx").stat().st_size < (tiny_bundle / "target.onnx").stat().st_size
 
 
