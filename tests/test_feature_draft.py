@@ -137,3 +137,43 @@ def test_manifest_with_reads_features_but_no_width_is_refused(feature_bundle, tm
     (copy / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="reads_features"):
         load_bundle(copy)
+
+
+def test_draft_agreement_script_scores_an_oracle_draft_one(tiny_checkpoints):
+    """scripts/draft_agreement.py lines pair r up with the answer token it predicts: a draft
+    that returns the target's true next features agrees everywhere, one that returns the
+    current features (one position behind) does not."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    import draft_agreement
+
+    target, _, runs = draft_agreement.target_answers(str(tiny_checkpoints["llama"]), 4, 8)
+    vocab = target.config.vocab_size
+
+    class Oracle:
+        specedge_head_ids = torch.arange(vocab)
+
+        def __init__(self, shift):
+            self.shift = shift
+
+        def predict(self, ids, features):
+            f = self.features
+            return f[:, 1:] if self.shift else f[:, :-1]
+
+        def head_logits(self, features):
+            return features @ target.lm_head.weight.T
+
+    scores = []
+    for shift in (True, False):
+        oracle = Oracle(shift)
+        per_run = []
+        for run in runs:
+            oracle.features = run[3]
+            per_run.append(draft_agreement.agreement(oracle, [run])["all"])
+        scores.append(per_run)
+    assert scores[0] == [1.0] * len(runs)
+    assert max(scores[1]) < 1.0
