@@ -30,7 +30,8 @@ SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY
 OPSET = 21
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle.py). 2: one mask, fused
-# projections and constant shapes (2845 -> 1060 nodes for SmolLM2 after ORT's fusions).
+# projections and constant shapes (2845 -> 1060 nodes for SmolLM2 after ORT's fusions);
+# int4 on Q4_1's grid (export/quantize.py).
 GRAPH_REVISION = 2
 
 

@@ -1,14 +1,17 @@
 """Weight-only quantized graphs for ONNX Runtime CPU, and what quantizing cost.
 
 int4 / int8: onnxruntime's MatMulNBitsQuantizer turns every MatMul with a constant weight
-into MatMulNBits (blocks of 32 along the reduction axis with a scale and a zero point each,
-the grid of GGUF's Q4_1, which SmolLM2 ships in; accuracy_level 4 lets the CPU kernels
-compute in int8). int4 also turns the embedding Gather into GatherBlockQuantized, which is
-4-bit only, so int8 leaves the embedding table in fp32 (a Gather reads one row per token:
-that costs file size, not time). int4 keeps the LM head at 8 bits, as llama.cpp's quantizer
-keeps its output tensor: on SmolLM2 that takes the perplexity change from +25% to +16% at
-no measurable cost per step. (HQQ's float zero points would take it to +0.02%, but ONNX
-Runtime's CPU kernel runs those ~8x slower than int8.)
+into MatMulNBits (blocks of 32 along the reduction axis with a scale and an integer zero
+point each; accuracy_level 4 lets the CPU kernels compute in int8). int4 first moves each
+block's offset into a small fp32 product (`_split_block_offset`), so that its 4-bit codes
+hold GGUF's Q4_1 grid (w = d * q + m) exactly; it also turns the embedding Gather into
+GatherBlockQuantized, which is 4-bit only, so int8 leaves the embedding table in fp32 (a
+Gather reads one row per token: that costs file size, not time); and it keeps the LM head
+at 8 bits, as llama.cpp keeps its output tensor. On SmolLM2 (dequantized from a Q4_1 GGUF)
+int4 is then nearly lossless (perplexity +1.3%, against +25% with the quantizer alone) and
+half the size of int8, at int8's speed: the offset products cost what 4-bit weights save
+on a model this small. (HQQ's float zero points: +0.02%, but ONNX Runtime's CPU kernel runs
+them ~8x slower.)
 fp16: weights and activations in fp16, inputs and outputs kept fp32 so the KV-cache
 contract does not change (ONNX Runtime's CPU fp16 kernels are few: this is for GPUs).
 
@@ -25,6 +28,7 @@ the same quantized graph at a near tie.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +70,68 @@ def quantize_graph(path: Path, precision: str) -> None:
         heads = _head_matmuls(model)
         model = _weight_only(model, 8, ("MatMul",),
                              exclude=[n.name for n in model.graph.node if n.name not in heads])
-        model = _weight_only(model, 4, ("MatMul", "Gather"))  # the head is no MatMul now
+        # the head is no MatMul now; the block offsets stay fp32 (they are tiny)
+        model = _weight_only(model, 4, ("MatMul", "Gather"), exclude=_split_block_offset(model))
     onnx.save(model, str(path))
+
+
+def _split_block_offset(model: onnx.ModelProto) -> list[str]:
+    """Prepare every MatMul with a constant weight for Q4_1's grid, in place.
+
+    Q4_1 stores a block of 32 weights (along the reduction axis K) as w = d * q + m with a
+    float m; ONNX Runtime's fast 4-bit kernels take integer zero points only, and a
+    rounded zero point moves the whole grid (SmolLM2, whose weights come dequantized from
+    a Q4_1 GGUF: perplexity +16% instead of +1%). So each block's offset goes into its own
+    product:
+
+        x @ W = x @ (W - C) + blocksum(x) @ Offsets,   C = Offsets repeated over each block
+
+    with offset c = m + 8 d, the block's midpoint: W - C spans [-8 d, 7 d], which the
+    asymmetric 4-bit quantizer stores with scale d and zero point 8, exactly Q4_1's grid
+    (lossless for weights already on one), and centred, so the int8 activations of the
+    fast kernels do not see a large product that the offset term then cancels.
+    blocksum(x) [.., K/32] sums x over each block. Returns the names of the added MatMuls,
+    which stay fp32 (1/32 of the main product's work).
+    """
+    graph = model.graph
+    uses = Counter(name for node in graph.node for name in node.input)
+    weights = {i.name: i for i in graph.initializer if uses[i.name] == 1}  # rewritten once
+    added, nodes = [], []
+    for node in graph.node:
+        nodes.append(node)
+        w = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        if w is None or len(w.dims) != 2 or w.dims[0] % BLOCK_SIZE:
+            continue
+        k, n = w.dims
+        blocks = onnx.numpy_helper.to_array(w).reshape(k // BLOCK_SIZE, BLOCK_SIZE, n)
+        low, high = blocks.min(axis=1), blocks.max(axis=1)
+        offsets = low + 8 * (high - low) / 15
+        w.CopyFrom(onnx.numpy_helper.from_array(
+            (blocks - offsets[:, None]).reshape(k, n).astype(np.float32), w.name))
+        graph.initializer.extend([
+            onnx.numpy_helper.from_array(offsets.astype(np.float32), f"{w.name}_block_offset"),
+            onnx.numpy_helper.from_array(np.array([-1, k // BLOCK_SIZE, BLOCK_SIZE]),
+                                         f"{w.name}_blocks")])
+        out = node.output[0]
+        name = node.name or out
+        node.output[0] = f"{out}_centred"
+        nodes += [
+            onnx.helper.make_node("Reshape", [node.input[0], f"{w.name}_blocks"],
+                                  [f"{out}_blocks"], name=f"{name}_blocks"),
+            onnx.helper.make_node("ReduceSum", [f"{out}_blocks", "specedge_last_axis"],
+                                  [f"{out}_block_sum"], name=f"{name}_block_sum", keepdims=0),
+            onnx.helper.make_node("MatMul", [f"{out}_block_sum", f"{w.name}_block_offset"],
+                                  [f"{out}_offset"], name=f"{name}_offset"),
+            # [T, N] + [1, T, N]: the graphs' batch is 1
+            onnx.helper.make_node("Add", [node.output[0], f"{out}_offset"], [out],
+                                  name=f"{name}_add_offset")]
+        added.append(f"{name}_offset")
+    if added:
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1]),
+                                                              "specedge_last_axis"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return added
 
 
 def _weight_only(model: onnx.ModelProto, bits: int, ops: tuple[str, ...],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import onnx
 import pytest
 
@@ -43,8 +44,10 @@ def test_graphs_are_quantized(quantized, tiny_bundle):
             assert ops["MatMulNBits"] >= 4 * manifest["models"][role]["num_layers"]
             graph = onnx.load(str(out / f"{role}.onnx"), load_external_data=False).graph
             weights = {i.name for i in graph.initializer}
+            # int4's block offset products stay fp32 (export/quantize.py)
             assert not [n.name for n in graph.node
-                        if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+                        if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights
+                        and not (precision == "int4" and n.name.endswith("_offset"))]
             bits = {n.name: next((a.i for a in n.attribute if a.name == "bits"), 4)
                     for n in graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
             vocabulary = manifest["models"][role]["vocab_size"]
@@ -83,3 +86,72 @@ def test_unknown_precision_is_refused(tiny_checkpoints, tmp_path):
     with pytest.raises(ValueError, match="--precision must be one of"):
         export_bundle(str(tiny_checkpoints["llama"]), tmp_path / "b", precision="int3")
     assert not (tmp_path / "b").exists()
+
+
+def _matmul_graph(w: np.ndarray, path) -> None:
+    """y = x @ w, x [1, T, K]."""
+    k, n = w.shape
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="m")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, "T", k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, "T", n])],
+        [onnx.numpy_helper.from_array(w.astype(np.float32), "w")])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)],
+                                     ir_version=10), str(path))
+
+
+def _q4_1_grid(k: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """A [k, n] weight on Q4_1's grid: w = d * q + m per block of 32 along k, every block
+    using levels 0 and 15 (as Q4_1's quantizer makes them)."""
+    blocks = k // 32
+    d = rng.uniform(0.001, 0.05, (blocks, 1, n)).astype(np.float16).astype(np.float32)
+    m = rng.normal(0, 0.1, (blocks, 1, n)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (blocks, 32, n))
+    q[:, 0], q[:, 1] = 0, 15
+    return (d * q + m).reshape(k, n)
+
+
+def test_int4_holds_a_q4_1_grid_exactly(tmp_path):
+    """Weights on Q4_1's grid (SmolLM2's come dequantized from a Q4_1 GGUF) come out of the
+    int4 graph as they went in: 4-bit codes with zero point 8 plus an fp32 block offset."""
+    from specedge.export.quantize import quantize_graph
+
+    rng = np.random.default_rng(0)
+    w = _q4_1_grid(64, 24, rng)
+    _matmul_graph(w, tmp_path / "g.onnx")
+    quantize_graph(tmp_path / "g.onnx", "int4")
+    graph = onnx.load(str(tmp_path / "g.onnx")).graph
+    init = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    (node,) = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    packed = init[node.input[1]]  # [N, K/32, 16]: two 4-bit codes per byte, low one first
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(24, 64).T
+    scales = init[node.input[2]].reshape(24, 2)
+    assert (init[node.input[3]] == 8 + (8 << 4)).all()  # zero point 8 everywhere
+    offset = init["w_block_offset"]  # [K/32, N]
+    rebuilt = (codes - 8.0) * np.repeat(scales.T, 32, axis=0) + np.repeat(offset, 32, axis=0)
+    np.testing.assert_allclose(rebuilt, w, rtol=0, atol=1e-6)
+
+
+def test_block_offset_split_keeps_the_function(tiny_bundle, tmp_path):
+    """x @ W = x @ (W - C) + blocksum(x) @ Offsets: the fp32 graph computes the same
+    logits."""
+    import onnxruntime as ort
+
+    from specedge.export.quantize import _split_block_offset
+    from specedge.runtime.bundle import graph_io, load_bundle
+
+    spec = load_bundle(tiny_bundle).target
+    model = onnx.load(str(spec.path))
+    assert _split_block_offset(model)
+    onnx.save(model, str(tmp_path / "split.onnx"))
+    inputs, _ = graph_io(spec.num_layers)
+    rng = np.random.default_rng(1)
+    feeds = {"input_ids": np.array([[5, 6, 7]]), "position_ids": np.array([[4, 5, 6]]),
+             "past_length": np.array([4]), "logits_to_keep": np.array([3])}
+    for name in inputs[4:]:
+        feeds[name] = rng.normal(size=(1, spec.num_kv_heads, 8, spec.head_dim)).astype(
+            np.float32)
+    before = ort.InferenceSession(str(spec.path)).run(None, feeds)
+    after = ort.InferenceSession(str(tmp_path / "split.onnx")).run(None, feeds)
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
