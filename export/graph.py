@@ -35,7 +35,8 @@ OPSET = 21
 GRAPH_REVISION = 2
 
 
-def attention_bias(past_length: torch.Tensor, capacity, t, groups: int,
+def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,
+                   t: int | torch.Tensor, groups: int,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive masks, built once per call and shared by every layer: [C] for the cache
     (rows >= past_length are empty) and [G*T, T] causal for the new rows (queries grouped)."""

@@ -55,7 +55,8 @@ def agreement(draft, runs) -> dict[str, float]:
     for category, start, out, f, best in runs:
         with torch.no_grad():
             logits = draft.head_logits(draft.predict(out[:, 1:], f[:, :-1]))[0]
-        # pair r reads (f_r, x_{r+1}) and predicts x_{r+2}: answer tokens start at `start`
+        # pair r reads (f_r, x_{r+1}) and predicts x_{r+2}, as the target's row r + 1 does;
+        # the first answer token is x_start
         for r in range(start - 2, out.shape[1] - 2):
             ok = int(head[logits[r].argmax()] == best[r + 1])
             for key in (category, "all"):
