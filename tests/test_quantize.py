@@ -130,6 +130,12 @@ def test_int4_holds_a_q4_1_grid_exactly(tmp_path):
     offset = init["w_block_offset"]  # [K/32, N]
     rebuilt = (codes - 8.0) * np.repeat(scales.T, 32, axis=0) + np.repeat(offset, 32, axis=0)
     np.testing.assert_allclose(rebuilt, w, rtol=0, atol=1e-6)
+    # and the graph computes x @ W, up to the int8 activations of the fast kernel
+    import onnxruntime as ort
+
+    x = rng.normal(size=(1, 3, 64)).astype(np.float32)
+    (y,) = ort.InferenceSession(str(tmp_path / "g.onnx")).run(None, {"x": x})
+    assert np.linalg.norm(y - x @ w) < 0.02 * np.linalg.norm(x @ w)
 
 
 def test_block_offset_split_keeps_the_function(tiny_bundle, tmp_path):
