@@ -189,9 +189,12 @@ def training_prompts(n: int, seed: int) -> list[str]:
     return pool[:n]
 
 
-def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
+def generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
                     sampled: bool, seed: int) -> list[dict]:
     """Target answers for `prompts` plus its top-k log-probs at every answer position."""
+    tokenizer.padding_side = "left"  # a batch's answers start at one column
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                            add_generation_prompt=True, tokenize=False)
              for p in prompts]
@@ -235,9 +238,6 @@ def _generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
 def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict]:
     """Generate (or reload) the on-policy data, one resumable shard per batch: the template
     prompts, then the varied ones (whose passages are the template answers)."""
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     data = _answers(model, tokenizer, cfg, work, training_prompts(cfg.prompts, cfg.seed), 0)
     if cfg.varied_prompts:
         greedy = data[:len(data) - int(round(cfg.sampled_fraction * len(data)))]
@@ -259,7 +259,7 @@ def _answers(model, tokenizer, cfg: DistillConfig, work: Path, prompts: list[str
         path = work / f"data-{i:04d}.pt"
         if not path.is_file():
             chunk = prompts[start:start + cfg.generate_batch]
-            shard = _generate_shard(model, tokenizer, chunk, cfg, start >= len(prompts) -
+            shard = generate_shard(model, tokenizer, chunk, cfg, start >= len(prompts) -
                                     n_sampled, cfg.seed + i)
             torch.save(shard, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").rename(path)

@@ -1,11 +1,12 @@
 """Teacher-forced top-1 agreement of feature drafts with their target on the bench prompts.
 
 Acceptance of a greedy draft's first token is its top-1 agreement with the target, so this
-measures a draft without the runtime's timing noise: the target (fp32, transformers)
-answers every prompt of bench/prompts.jsonl greedily, then each draft predicts every
-answer position from the target's own features (the first draft step of
-runtime/drafters.FeatureDrafter), and the script counts how often the draft's argmax is
-the target's, per prompt category.
+measures a draft without the runtime's timing noise: the target answers every prompt of
+bench/prompts.jsonl greedily, with its features, as distillation's data is made
+(export/distill.generate_shard), and each draft is scored on those answers as training
+scores it (export/feature_draft.feature_loss: every answer position predicted from the
+target's own features, the first draft step of runtime/drafters.FeatureDrafter), per
+prompt category.
 
     python scripts/draft_agreement.py --drafts drafts/smollm2-135m-feature [OTHER ...]
         [--model smollm2-135m] [--limit N] [--max-new-tokens 64]
@@ -24,44 +25,31 @@ import torch
 from tqdm import tqdm
 
 from specedge.bench.configs import load_prompts
-from specedge.export.distill import load_draft
+from specedge.export.distill import DistillConfig, generate_shard, load_draft
+from specedge.export.feature_draft import feature_loss
 from specedge.export.sources import load_model
 
 
 def target_answers(model: str, limit: int | None, max_new_tokens: int):
-    """(target, tokenizer, [(category, prompt length, ids, features, target argmax)])."""
+    """(target, tokenizer, [(category, example)]): greedy answers, one prompt at a time
+    (no padding), as distillation's examples."""
     target, tok = load_model(model)
-    features = []
-    target.model.norm.register_forward_hook(lambda module, args, out: features.append(out))
-    runs = []
-    for p in tqdm(load_prompts(limit), desc="target answers"):
-        ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
-                                      add_generation_prompt=True, return_tensors="pt")
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        with torch.no_grad():
-            out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-            features.clear()
-            target(out)
-            f = features[0]
-            best = (f[0] @ target.lm_head.weight.T).argmax(-1)
-        runs.append((p["category"], ids.shape[1], out, f, best))
+    cfg = DistillConfig(target=model, new_tokens=max_new_tokens)
+    runs = [(p["category"], generate_shard(target, tok, [p["prompt"]], cfg, False, 0)[0])
+            for p in tqdm(load_prompts(limit), desc="target answers")]
     return target, tok, runs
 
 
 def agreement(draft, runs) -> dict[str, float]:
     """Share of answer positions where the draft's argmax is the target's, by category."""
     hits, count = Counter(), Counter()
-    head = draft.specedge_head_ids
-    for category, start, out, f, best in runs:
+    for category, example in runs:
         with torch.no_grad():
-            logits = draft.head_logits(draft.predict(out[:, 1:], f[:, :-1]))[0]
-        # pair r reads (f_r, x_{r+1}) and predicts x_{r+2}, as the target's row r + 1 does;
-        # the first answer token is x_start
-        for r in range(start - 2, out.shape[1] - 2):
-            ok = int(head[logits[r].argmax()] == best[r + 1])
-            for key in (category, "all"):
-                hits[key] += ok
-                count[key] += 1
+            share = feature_loss(draft, [example])[1]
+        answer = len(example["top_ids"])
+        for key in (category, "all"):
+            hits[key] += share * answer
+            count[key] += answer
     return {key: round(hits[key] / count[key], 3) for key in count}
 
 

@@ -145,6 +145,7 @@ def test_draft_agreement_script_scores_an_oracle_draft_one(tiny_checkpoints):
     current features (one position behind) does not."""
     import sys
     from pathlib import Path
+    from types import SimpleNamespace
 
     import torch
 
@@ -156,24 +157,20 @@ def test_draft_agreement_script_scores_an_oracle_draft_one(tiny_checkpoints):
 
     class Oracle:
         specedge_head_ids = torch.arange(vocab)
+        config = SimpleNamespace(hidden_size=target.config.hidden_size, vocab_size=vocab)
 
         def __init__(self, shift):
             self.shift = shift
 
         def predict(self, ids, features):
-            f = self.features
-            return f[:, 1:] if self.shift else f[:, :-1]
+            # pair r holds f_r; the true next feature is f_{r+1} (the last pair has none)
+            return torch.cat([features[:, 1:], features[:, -1:]], 1) if self.shift \
+                else features
 
         def head_logits(self, features):
             return features @ target.lm_head.weight.T
 
-    scores = []
-    for shift in (True, False):
-        oracle = Oracle(shift)
-        per_run = []
-        for run in runs:
-            oracle.features = run[3]
-            per_run.append(draft_agreement.agreement(oracle, [run])["all"])
-        scores.append(per_run)
+    scores = [[draft_agreement.agreement(Oracle(shift), [run])["all"] for run in runs]
+              for shift in (True, False)]
     assert scores[0] == [1.0] * len(runs)
     assert max(scores[1]) < 1.0
