@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import process_logits, sample
+from .sampling import SparseProbs, process_row, sample
 
 DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 
@@ -36,8 +36,9 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def probs(self, logits: np.ndarray) -> np.ndarray:
-        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+    def probs(self, logits: np.ndarray) -> SparseProbs:
+        """One row of logits [V], processed (runtime/sampling.py), as its support."""
+        return process_row(logits, self.temperature, self.top_k, self.top_p)
 
     def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         """One token from one row of logits: argmax when greedy, else a draw from probs."""

@@ -28,35 +28,42 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .sampling import sample
+from .sampling import SparseProbs, as_sparse, sample
 
 __all__ = ["residual", "verify_greedy", "verify_sampled"]
 
 
-def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+def residual(p: np.ndarray | SparseProbs, q: np.ndarray | SparseProbs
+             ) -> np.ndarray | SparseProbs:
     """Residual distribution ``norm(max(0, p - q))`` sampled after a rejection (step 3).
 
     Its support lies inside p's (``p - q > 0`` needs ``p > 0``), so a token that top-k or
-    top-p removed from the target can never be emitted. Its mass equals the rejection
+    top-p removed from the target can never be emitted, and for rows given as their
+    supports it is computed on p's support only. Its mass equals the rejection
     probability ``sum_x q(x) (1 - min(1, p(x)/q(x)))``; when that mass is 0 (``p == q``)
     a rejection cannot happen, and ``p`` is returned so the result is still a
     distribution.
 
     Args:
-        p: target probabilities, shape ``[V]``.
-        q: draft probabilities, shape ``[V]``.
+        p: target probabilities, shape ``[V]`` or its support.
+        q: draft probabilities, shape ``[V]`` or its support.
 
     Returns:
-        float64 probabilities, shape ``[V]``.
+        float64 probabilities: a SparseProbs on p's support when either row is one, else a
+        dense row ``[V]``.
     """
-    p = np.asarray(p, dtype=np.float64)
-    r = np.subtract(p, q, dtype=np.float64)
+    if isinstance(p, SparseProbs) or isinstance(q, SparseProbs):
+        p, q = as_sparse(p), as_sparse(q)
+        r = np.subtract(p.p, q.at(p.ids))
+    else:
+        p = np.asarray(p, dtype=np.float64)
+        r = np.subtract(p, q, dtype=np.float64)
     np.maximum(r, 0.0, out=r)
     mass = r.sum()
     if not mass > 0:
         return p
     r /= mass
-    return r
+    return SparseProbs(p.ids, r, p.vocab) if isinstance(p, SparseProbs) else r
 
 
 def verify_greedy(draft_ids: Sequence[int], target_logits: np.ndarray) -> tuple[int, int]:
@@ -126,11 +133,12 @@ def verify_sampled(
 
     Args:
         draft_ids: the K drafted tokens (K may be 0: just samples from ``p_probs[0]``).
-        q_probs: processed draft probabilities, shape ``[K, V]`` or K rows, or None
-            (one-hot).
-        p_probs: processed target probabilities, shape ``[K + 1, V]`` or K + 1 rows. Rows
-            are read in order and only as far as needed (a sequence may compute each
-            when first read: after a rejection at ``i`` the rows after it are unused).
+        q_probs: processed draft probabilities, shape ``[K, V]`` or K rows (dense, or
+            SparseProbs), or None (one-hot).
+        p_probs: processed target probabilities, shape ``[K + 1, V]`` or K + 1 rows
+            (dense, or SparseProbs). Rows are read in order and only as far as needed (a
+            sequence may compute each when first read: after a rejection at ``i`` the rows
+            after it are unused).
         rng: the generator the whole decode loop shares.
 
     Returns:
@@ -140,17 +148,17 @@ def verify_sampled(
         ValueError: shapes that do not match ``K``, or a draft id outside ``[0, V)``.
     """
     k = len(draft_ids)
-    if len(p_probs) != k + 1 or np.ndim(p_probs[0]) != 1:
+    vocab = _width(p_probs[0]) if len(p_probs) else None
+    if len(p_probs) != k + 1 or vocab is None:
         raise ValueError(
             f"verify_sampled: p_probs must have shape [K + 1, V] = [{k + 1}, V] for {k} "
-            f"draft tokens, got {len(p_probs)} rows of shape {np.shape(p_probs[0])}"
+            f"draft tokens, got {len(p_probs)} rows of width {vocab}"
         )
-    vocab = len(p_probs[0])
     if q_probs is not None and (len(q_probs) != k
-                                or any(np.shape(row) != (vocab,) for row in q_probs)):
+                                or any(_width(row) != vocab for row in q_probs)):
         raise ValueError(
             f"verify_sampled: q_probs must have shape [K, V] = [{k}, {vocab}], got "
-            f"{[np.shape(row) for row in q_probs]}"
+            f"{len(q_probs)} rows of widths {[_width(row) for row in q_probs]}"
         )
 
     for i, tok in enumerate(draft_ids):
@@ -160,8 +168,8 @@ def verify_sampled(
             raise ValueError(
                 f"verify_sampled: draft token {x} at position {i} is not in [0, {vocab})"
             )
-        p_x = p_probs[i][x]
-        q_x = 1.0 if q_probs is None else q_probs[i][x]
+        p_x = _at(p_probs[i], x)
+        q_x = 1.0 if q_probs is None else _at(q_probs[i], x)
         if rng.random() * q_x < p_x:
             continue
         if q_probs is None:
@@ -172,16 +180,33 @@ def verify_sampled(
     return k, sample(p_probs[k], rng)
 
 
-def _residual_one_hot(p: np.ndarray, x: int) -> np.ndarray:
+def _residual_one_hot(p: np.ndarray | SparseProbs, x: int) -> np.ndarray | SparseProbs:
     """``residual(p, onehot(x))`` without the one-hot row (DESIGN step 6).
 
     ``max(0, p - e_x)`` is ``p`` everywhere except 0 at ``x``; same arithmetic as
     :func:`residual`, so the two agree bit for bit.
     """
-    r = np.array(p, dtype=np.float64)
-    r[x] = 0.0
+    if isinstance(p, SparseProbs):
+        r = p.p.copy()
+        r[p.ids == x] = 0.0
+    else:
+        p = np.asarray(p, dtype=np.float64)
+        r = p.copy()
+        r[x] = 0.0
     mass = r.sum()
     if not mass > 0:
-        return np.asarray(p, dtype=np.float64)
+        return p
     r /= mass
-    return r
+    return SparseProbs(p.ids, r, p.vocab) if isinstance(p, SparseProbs) else r
+
+
+def _width(row: np.ndarray | SparseProbs) -> int | None:
+    """V of a probability row, or None when it is not one row."""
+    if isinstance(row, SparseProbs):
+        return row.vocab
+    shape = np.shape(row)
+    return shape[0] if len(shape) == 1 else None
+
+
+def _at(row: np.ndarray | SparseProbs, x: int) -> float:
+    return float(row.at(x)) if isinstance(row, SparseProbs) else row[x]

@@ -48,7 +48,7 @@ class HostChoice:
             return x, (1.0 / np.exp(logits - logits[x]).sum() if need_q_x else 1.0)
         q.append(sampling.probs(logits))
         x = sample(q[-1], rng)
-        return x, q[-1][x]
+        return x, float(q[-1].at(x))
 
     def q(self, q: list) -> list | None:
         return q or None

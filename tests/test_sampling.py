@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specedge.runtime.sampling import process_logits, sample
+from specedge.runtime.sampling import SparseProbs, as_sparse, process_logits, process_row, sample
 from specedge.runtime.speculative import residual, verify_greedy, verify_sampled
 
 
@@ -581,3 +581,77 @@ def test_verify_sampled_validates_inputs():
         verify_sampled([-1], None, p, np.random.default_rng(0))
     with pytest.raises(ValueError, match="draft token 3"):
         verify_sampled([3], None, p, np.random.default_rng(0))
+
+
+# --------------------------------------------------------------------------- SparseProbs
+
+
+def lm_like_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
+    """float32 rows shaped like a language model's: a few large logits over a long tail,
+    some rows with a masked part (a draft head over part of the vocabulary)."""
+    rows = rng.normal(scale=2.0, size=(n, vocab))
+    rows[:, :8] += rng.normal(scale=4.0, size=(n, 8)) + 8.0
+    rows[::3, vocab // 2:] = -np.inf
+    return rng.permuted(rows, axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"),
+                         [(0.7, 0, 0.9), (1.3, 0, 0.5), (0.7, 40, 0.9), (0.7, 40, 1.0),
+                          (0.9, 0, 1.0), (0.7, 0, 0.0)])
+def test_process_row_is_process_logits_as_its_support(temperature, top_k, top_p):
+    rows = lm_like_rows(np.random.default_rng(30), 40, 3000)
+    for row in rows:
+        dense = process_logits(row, temperature, top_k, top_p)
+        sparse = process_row(row, temperature, top_k, top_p)
+        assert sparse.vocab == row.size and (np.diff(sparse.ids) > 0).all()
+        np.testing.assert_array_equal(sparse.dense(), dense)
+        assert set(sparse.ids.tolist()) == set(np.flatnonzero(dense).tolist())
+        np.testing.assert_array_equal(sparse.at(np.arange(row.size)), dense)
+
+
+def test_process_row_validates_like_process_logits():
+    with pytest.raises(ValueError, match="one row"):
+        process_row(np.zeros((2, 4)), 1.0, top_p=0.9)
+    with pytest.raises(ValueError, match="temperature"):
+        process_row(np.zeros(4), 0.0, top_p=0.9)
+    with pytest.raises(ValueError, match="all-masked"):
+        process_row(np.full(4, -np.inf), 1.0, top_p=0.9)
+
+
+def test_sparse_probs_at_and_as_sparse():
+    sp = as_sparse(np.array([0.0, 0.25, 0.0, 0.75, 0.0]))
+    np.testing.assert_array_equal(sp.ids, [1, 3])
+    assert sp.at(3) == 0.75 and sp.at(4) == 0.0 and sp.at(0) == 0.0
+    np.testing.assert_array_equal(sp.at(np.array([4, 1, 2])), [0.0, 0.25, 0.0])
+    assert as_sparse(sp) is sp
+    empty = SparseProbs(np.zeros(0, np.int64), np.zeros(0), 5)
+    assert empty.at(2) == 0.0
+    with pytest.raises(ValueError):
+        sample(empty, np.random.default_rng(0))
+
+
+def test_sparse_rows_draw_the_same_tokens_as_dense_rows():
+    # sample, residual and verify_sampled on supports give the dense rows' results: the
+    # same token for the same uniforms, so the exactness tests on dense rows cover them.
+    rng = np.random.default_rng(31)
+    rows = lm_like_rows(rng, 60, 2000)
+    for seed in range(0, 60, 3):
+        p = [process_row(r, 0.8, 0, 0.95) for r in rows[seed:seed + 3]]
+        q = [process_row(r + rng.normal(scale=1.0, size=r.size).astype(np.float32), 0.8, 0,
+                         0.95) for r in rows[seed:seed + 2]]
+        pd, qd = [x.dense() for x in p], [x.dense() for x in q]
+        for r_sparse, r_dense in ((residual(p[0], q[0]), residual(pd[0], qd[0])),
+                                  (residual(p[0], qd[0]), residual(pd[0], qd[0])),
+                                  (residual(p[0], p[0]), pd[0])):
+            assert isinstance(r_sparse, SparseProbs)
+            np.testing.assert_allclose(r_sparse.dense(), r_dense, rtol=1e-12, atol=1e-300)
+        for s in range(20):
+            assert sample(p[0], np.random.default_rng(s)) == sample(pd[0],
+                                                                   np.random.default_rng(s))
+            drafts = [sample(q[0], np.random.default_rng(s)),
+                      sample(q[1], np.random.default_rng(s + 1))]
+            for one_hot in (False, True):
+                qs, qds = (None, None) if one_hot else (q, qd)
+                got = verify_sampled(drafts, qs, p, np.random.default_rng(seed * 100 + s))
+                assert got == verify_sampled(drafts, qds, pd,
+                                             np.random.default_rng(seed * 100 + s))
