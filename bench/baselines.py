@@ -1,4 +1,6 @@
-"""What users would run instead, measured on the same prompts and token budget (greedy).
+"""What users would run instead, measured on the same prompts and token budget (greedy),
+with each system's perplexity on one text (`quality_text_ids`): a speed ratio means
+something only between systems of comparable quality.
 
 Each baseline is skipped, with the reason recorded, when its package is not installed.
 """
@@ -11,6 +13,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
+
+from specedge.runtime.stats import perplexity
+
+QUALITY_TOKENS = 512
+
+
+def quality_text_ids(codec, prompts: list[dict]) -> list[int]:
+    """The passages of the prompt set's summaries (hand-written prose, no chat template),
+    encoded and cut at QUALITY_TOKENS: the text every system's perplexity is measured on
+    (through the bundle's tokenizer, so every system scores the same ids)."""
+    passages = [p["prompt"].split("\n\n", 1)[1] for p in prompts
+                if p["category"] == "summarize" and "\n\n" in p["prompt"]]
+    if not passages:
+        raise ValueError("the prompt set has no summarize prompts with a passage")
+    return codec.encode("\n\n".join(passages))[:QUALITY_TOKENS]
 
 
 def _hf_models(bundle: Path):
@@ -36,13 +55,16 @@ def _hf_models(bundle: Path):
     return target, draft
 
 
-def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
+def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                     text_ids: list[int]) -> dict:
     """transformers plain greedy and assisted generation (the bundle's draft as assistant)."""
     if importlib.util.find_spec("torch") is None:
         return {"skipped": "torch / transformers not installed (pip install -e '.[export]')"}
     import torch
 
     target, draft = _hf_models(bundle)
+    with torch.no_grad():
+        logits = target(torch.tensor([text_ids])).logits[0].float().numpy()
     results = {}
     for name, assistant in (("transformers plain", None), ("transformers assisted", draft)):
         if name.endswith("assisted") and assistant is None:
@@ -59,7 +81,8 @@ def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: 
                 seconds += time.perf_counter() - t0
             tokens += out.shape[1] - len(ids)
         results[name] = {"tokens": tokens, "seconds": seconds,
-                         "tokens_per_second": tokens / seconds}
+                         "tokens_per_second": tokens / seconds,
+                         "perplexity": perplexity(logits, text_ids)}
     return results
 
 
@@ -80,7 +103,7 @@ def _llama_cpp_batch(gguf: Path, threads: int) -> int:
 
 
 def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens: int,
-                  threads: int) -> dict:
+                  threads: int, text_ids: list[int]) -> dict:
     """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, timed end to end
     (prompt evaluation included) like the other systems."""
     if importlib.util.find_spec("llama_cpp") is None:
@@ -103,5 +126,12 @@ def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens
                 break
         seconds += time.perf_counter() - t0
         tokens += n
+    del llm
+    # Every position's logits, for the perplexity: slower, so not in the timed instance.
+    llm = Llama(model_path=str(gguf), n_ctx=len(text_ids), n_threads=threads,
+                n_batch=n_batch, logits_all=True, verbose=False)
+    llm.eval(text_ids)
+    logits = np.asarray(llm.scores[:len(text_ids)])
     return {"llama.cpp plain": {"tokens": tokens, "seconds": seconds,
-                                "tokens_per_second": tokens / seconds, "n_batch": n_batch}}
+                                "tokens_per_second": tokens / seconds, "n_batch": n_batch,
+                                "perplexity": perplexity(logits, text_ids)}}

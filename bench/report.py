@@ -34,14 +34,16 @@ def markdown(results: dict) -> str:
             f"{row['by_category'][c] / plain[c]:.2f}x" if c in row["by_category"] else "-"
             for c in cats) + " |")
     lines += ["", f"## Systems (greedy, first {results['systems_prompts']} prompts)", "",
-              "| system | tok/s | ours / system |", "|---|---|---|"]
+              f"Perplexity: each system's own weights on the prompt set's passages "
+              f"({results['quality_tokens']} tokens, the same ids for all).", "",
+              "| system | tok/s | ours / system | perplexity |", "|---|---|---|---|"]
     ours = results["systems"]["specedge best"]["tokens_per_second"]
     for name, row in results["systems"].items():
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | |")
         else:
             lines.append(f"| {name} | {row['tokens_per_second']:.1f} | "
-                         f"{ours / row['tokens_per_second']:.2f}x |")
+                         f"{ours / row['tokens_per_second']:.2f}x | {row['perplexity']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from specedge.runtime import Generator
-from specedge.runtime.backends import BACKENDS
+from specedge.runtime.backends import BACKENDS, OrtCpuBackend
+from specedge.runtime.stats import perplexity
 
 from . import baselines, report
 from .configs import aggregate, configurations, load_prompts, run_ours
@@ -70,18 +71,32 @@ def run(args: argparse.Namespace) -> dict:
                   sum(s["time_total_s"] for s in stats[:n]) for name, stats in runs.items()
                   if name.startswith("greedy/")}
     best = max(end_to_end, key=end_to_end.get)  # the fastest exact configuration
-    systems = {"specedge plain": {"tokens_per_second": end_to_end["greedy/plain"]},
-               "specedge best": {"tokens_per_second": end_to_end[best], "configuration": best}}
+    text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.max_context()]
+    ours = _perplexity(gen.bundle.target, text_ids, args.threads)
+    systems = {"specedge plain": {"tokens_per_second": end_to_end["greedy/plain"],
+                                  "perplexity": ours},
+               "specedge best": {"tokens_per_second": end_to_end[best], "configuration": best,
+                                 "perplexity": ours}}
     if not args.no_baselines:
         ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
                for p in prompts[:n]]
-        systems.update(baselines.run_transformers(args.bundle, ids, args.max_new_tokens))
+        systems.update(baselines.run_transformers(args.bundle, ids, args.max_new_tokens,
+                                                  text_ids))
         systems.update(baselines.run_llama_cpp(_gguf(args.bundle), ids, args.max_new_tokens,
-                                               args.threads or os.cpu_count() or 1))
+                                               args.threads or os.cpu_count() or 1, text_ids))
     return {"bundle": str(args.bundle), "backend": args.backend,
             "precision": gen.bundle.manifest.get("precision"),
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "systems_prompts": n, "configurations": table, "systems": systems}
+            "systems_prompts": n, "quality_tokens": len(text_ids), "configurations": table,
+            "systems": systems}
+
+
+def _perplexity(spec, text_ids: list[int], threads: int | None) -> float:
+    """The target graph's perplexity on the quality text, on ONNX Runtime CPU whatever the
+    bench's backend (one prefill call)."""
+    backend = OrtCpuBackend(spec, threads)
+    logits = backend.forward(backend.new_cache(len(text_ids)), text_ids, len(text_ids))
+    return perplexity(logits, text_ids)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -28,7 +28,6 @@ the same quantized graph at a near tie.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import numpy as np
 import onnx
 
 from specedge.runtime.backends import OrtCpuBackend
+from specedge.runtime.stats import perplexity
 
 from .verify import graph_backend
 
@@ -158,12 +158,9 @@ def _head_matmuls(model: onnx.ModelProto) -> list[str]:
             if n.op_type == "MatMul" and shapes.get(n.input[1], ())[::-1] in tables]
 
 
-def _nll(backend: OrtCpuBackend, ids: list[int]) -> float:
-    """Mean negative log-likelihood of ids[1:] given the prefix (one prefill call)."""
-    logits = backend.forward(backend.new_cache(len(ids)), ids, len(ids)).astype(np.float64)
-    logits -= logits.max(axis=-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-    return float(-np.mean(logp[np.arange(len(ids) - 1), ids[1:]]))
+def _perplexity(backend: OrtCpuBackend, ids: list[int]) -> float:
+    """Perplexity of ids under the graph (one prefill call)."""
+    return perplexity(backend.forward(backend.new_cache(len(ids)), ids, len(ids)), ids)
 
 
 BATCH_TOLERANCE = 1e-3
@@ -191,7 +188,7 @@ def quantization_report(reference: Path, quantized: Path, dims: dict, prompt_ids
         want = int(np.argmax(ref.forward(ref_cache, feed, 1)[-1]))
         agree += want == int(np.argmax(quant.forward(quant_cache, feed, 1)[-1]))
         feed = [want]  # both follow the fp32 greedy path
-    ppl_ref, ppl_quant = math.exp(_nll(ref, text_ids)), math.exp(_nll(quant, text_ids))
+    ppl_ref, ppl_quant = _perplexity(ref, text_ids), _perplexity(quant, text_ids)
     batch_diff = batch_difference(quant, prompt_ids)
     return {"greedy_agreement": agree / steps, "greedy_steps": steps,
             "perplexity_fp32": ppl_ref, "perplexity": ppl_quant,

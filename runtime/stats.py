@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import contextmanager
+
+import numpy as np
 
 
 class StepClock:
@@ -146,3 +149,17 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
     return {"stop_reason": stop_reason, "backend": backend, "drafter": drafter,
             "draft_tokens_k": k, **totals, **rates(totals),
             "tokens_per_second": tokens / total if total > 0 else 0.0}
+
+
+def perplexity(logits: np.ndarray, ids: Sequence[int]) -> float:
+    """``exp(-mean log softmax(logits[i])[ids[i + 1]])`` over i < len(ids) - 1: the
+    perplexity of a text under a model, with ``logits`` [len(ids), V] the model's rows at
+    the text's positions (the last one unused)."""
+    n = len(ids) - 1
+    if n < 1 or len(logits) < n:
+        raise ValueError(f"perplexity needs 2 or more ids and a logit row for each, got "
+                         f"{len(ids)} ids and {len(logits)} rows")
+    x = np.asarray(logits[:n], dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    logp = x[np.arange(n), ids[1:]] - np.log(np.exp(x).sum(axis=-1))
+    return float(np.exp(-logp.mean()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from specedge.bench.configs import aggregate, load_prompts
@@ -35,12 +36,45 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
     assert len(configs["greedy/draft K=3"]["acceptance_per_position"]) == 3
     assert results["systems"]["specedge best"]["tokens_per_second"] >= \
         results["systems"]["specedge plain"]["tokens_per_second"]
+    # The tiny model is untrained: its perplexity is near its vocabulary size, not 1.
+    ppl = results["systems"]["specedge plain"]["perplexity"]
+    assert 10 < ppl < 1e4 and results["systems"]["specedge best"]["perplexity"] == ppl
+    assert results["quality_tokens"] > 100
     for name in ("bench.md", "speedup_vs_k.png", "acceptance_per_position.png",
                  "systems.png"):
         assert (out / name).stat().st_size > 0
     printed = capsys.readouterr().out
     assert "| greedy/draft K=2 |" in printed
     assert "| configuration | chat |" in printed and "| greedy/plain | 1.00x |" in printed
+    assert f"| 1.00x | {ppl:.2f} |" in printed
+
+
+def test_perplexity_of_known_distributions():
+    from specedge.runtime.stats import perplexity
+
+    ids = [0, 1, 2, 3]
+    assert perplexity(np.zeros((4, 7)), ids) == pytest.approx(7.0)  # uniform over 7
+    certain = np.full((4, 5), -1e9)
+    certain[np.arange(3), ids[1:]] = 0.0
+    assert perplexity(certain, ids) == pytest.approx(1.0)
+    probs = np.array([[0.5, 0.5, 0, 0], [0, 0.25, 0.75, 0], [0, 0, 0, 1.0], [1, 0, 0, 0]])
+    assert perplexity(np.log(probs + 1e-300), ids) == pytest.approx((0.5 * 0.75 * 1.0) ** (-1 / 3))
+    with pytest.raises(ValueError, match="2 or more"):
+        perplexity(np.zeros((1, 3)), [0])
+
+
+def test_quality_text_is_the_summaries_passages():
+    from specedge.bench.baselines import QUALITY_TOKENS, quality_text_ids
+
+    class Words:
+        def encode(self, text):
+            return list(range(len(text.split())))
+
+    prompts = load_prompts()
+    ids = quality_text_ids(Words(), prompts)
+    assert len(ids) == QUALITY_TOKENS  # the passages hold more words than that
+    with pytest.raises(ValueError, match="summarize"):
+        quality_text_ids(Words(), [p for p in prompts if p["category"] != "summarize"])
 
 
 def test_aggregate_uses_ratios_of_sums():
