@@ -29,6 +29,7 @@ class Backend(Protocol):
     name: str
     spec: ModelSpec
     run_seconds: float  # inside model execution, for the share of time outside models
+    grows_cache: bool   # its caches may be swapped for `grown` ones between steps
 
     def new_cache(self, capacity: int): ...
 
@@ -58,6 +59,7 @@ class OrtCpuBackend:
     """
 
     name = "ort-cpu"
+    grows_cache = True  # a new cache object is bound at its first call
 
     def __init__(self, spec: ModelSpec, threads: int | None = None):
         self.spec = spec

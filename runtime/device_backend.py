@@ -52,6 +52,8 @@ def binding_plan(spec: ModelSpec, cache: DeviceKVCache, t: int,
 class DeviceBackend:
     """A graph on an engine over device memory; same interface as OrtCpuBackend."""
 
+    grows_cache = False  # DeviceKVCache has no `grown`: one capacity per generation
+
     def __init__(self, name: str, spec: ModelSpec, engine, memory, sampler=None):
         self.name, self.spec, self.engine, self.memory = name, spec, engine, memory
         self.sampler = sampler  # device_sampling.DeviceSampler / HostSampler, or None

@@ -173,7 +173,10 @@ class Generator:
     def _decode(self, prompt: list[int], max_new: int, sampling: Sampling, k_max: int,
                 auto: bool, threshold: float, drafter, rng: np.random.Generator,
                 clock: StepClock) -> Iterator[list[int]]:
-        capacity = capacity_for(len(prompt) + max_new, self.max_context(drafter))
+        limit = capacity_for(len(prompt) + max_new, self.max_context(drafter))
+        # The graph attends over the whole capacity: a host cache starts with room for the
+        # prompt and grows between steps (kv_cache.py); a device cache is allocated once.
+        capacity = capacity_for(len(prompt), limit) if self.target.grows_cache else limit
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         cache = self._cache
@@ -185,7 +188,7 @@ class Generator:
         with clock.time("prefill"):
             rows = choice.run(self.target, cache, prompt, 1)
             if drafter:
-                drafter.start(prompt, capacity)
+                drafter.start(prompt, limit)
                 if drafter.needs_features:
                     drafter.observe(self.target.features, 0)
         with clock.time("sampling"):
@@ -204,6 +207,9 @@ class Generator:
                     drafts, q = drafter.propose(context, k, sampling, rng, threshold)
                 draft_calls = drafter.calls - calls
                 clock.draft_calls += draft_calls
+            if cache.length + len(drafts) + 1 > cache.capacity:
+                cache = self._cache = cache.grown(
+                    capacity_for(cache.length + len(drafts) + 1, limit))
             with clock.time("target"):
                 rows = choice.run(self.target, cache, [context[-1], *drafts], len(drafts) + 1)
                 if drafter and drafter.needs_features:

@@ -1,11 +1,18 @@
 """Preallocated KV-cache buffers (layout "bhsd-fixed", see bundle.py).
 
-One K and one V buffer of shape [1, kv_heads, capacity, head_dim] per layer, allocated once
-per generation and never reallocated inside a step, so their addresses stay fixed. They are
-the planes of one array in the graph's order (K, V of layer 0, K, V of layer 1, ...), so a
+One K and one V buffer of shape [1, kv_heads, capacity, head_dim] per layer, never
+reallocated inside a step, so their addresses stay fixed while a step runs. They are the
+planes of one array in the graph's order (K, V of layer 0, K, V of layer 1, ...), so a
 step's new rows go in with one copy. The graph
 masks rows >= length, so rollback after a rejected draft is only `length = n`: stale rows
 are never read as valid and are overwritten by the next write.
+
+The graph attends over the whole capacity, masked rows included (SmolLM2 int8 on 2 cores:
+a one-token step takes ~20 ms at capacity 256, ~23 at 512 and ~25 at 768, at one context
+length). So the host cache does not start at prompt + max_new_tokens: it starts with room
+for the prompt and grows by CAPACITY_STEP rows between steps (`grown`, a copy of the rows
+held: ~46 KB per row for SmolLM2). Device caches keep one capacity per generation (their
+addresses are captured in CUDA graphs and TensorRT contexts).
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ class KVCache:
             raise ValueError(f"KV cache full: {end} rows needed, capacity {self.capacity}")
         self.planes[:, :, :, self.length:end] = rows
         self.length = end
+
+    def grown(self, capacity: int) -> KVCache:
+        """A cache of `capacity` rows holding this one's rows (new buffers, new addresses)."""
+        layers2, _, heads, _, dim = self.planes.shape
+        if capacity < self.length:
+            raise ValueError(f"cannot shrink a cache holding {self.length} rows to {capacity}")
+        new = KVCache(layers2 // 2, heads, dim, capacity, self.planes.dtype)
+        new.planes[:, :, :, :self.length] = self.planes[:, :, :, :self.length]
+        new.length = self.length
+        return new
 
     def rollback(self, length: int) -> None:
         """Forget rows >= length (a rejected draft); O(1), the rows are masked, not cleared."""

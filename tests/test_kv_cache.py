@@ -53,6 +53,21 @@ def test_logits_do_not_depend_on_capacity(backend):
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_grown_cache_holds_the_rows_and_continues_like_a_fresh_run(backend):
+    small = backend.new_cache(8)
+    backend.forward(small, [1, 5, 6, 7, 8], 1)
+    big = small.grown(32)
+    assert big.capacity == 32 and big.length == 5
+    assert big.keys[0].ctypes.data != small.keys[0].ctypes.data
+    for a, b in zip(small.keys + small.values, big.keys + big.values):
+        np.testing.assert_array_equal(a[:, :, :5], b[:, :, :5])
+    got = backend.forward(big, [9, 10, 11, 12, 13], 2).copy()  # past the old capacity
+    want = backend.forward(backend.new_cache(32), [1, 5, 6, 7, 8, 9, 10, 11, 12, 13], 2)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="shrink"):
+        big.grown(4)
+
+
 def test_cache_full_is_an_error_not_an_overflow(backend):
     cache = backend.new_cache(4)
     backend.forward(cache, [1, 2, 3], 1)
