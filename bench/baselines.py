@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from specedge.runtime.stats import perplexity
+from specedge.runtime.text import TextCodec
 
 QUALITY_TOKENS = 512
 
 
-def quality_text_ids(codec, prompts: list[dict]) -> list[int]:
+def quality_text_ids(codec: TextCodec, prompts: list[dict]) -> list[int]:
     """The passages of the prompt set's summaries (hand-written prose, no chat template),
     encoded and cut at QUALITY_TOKENS: the text every system's perplexity is measured on
     (through the bundle's tokenizer, so every system scores the same ids)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specedge.runtime import Generator
 from specedge.runtime.backends import BACKENDS, OrtCpuBackend
-from specedge.runtime.stats import perplexity
+from specedge.runtime.stats import model_perplexity
 
 from . import baselines, report
 from .configs import aggregate, configurations, load_prompts, run_ours
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> dict:
                   if name.startswith("greedy/")}
     best = max(end_to_end, key=end_to_end.get)  # the fastest exact configuration
     text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.max_context()]
-    ours = _perplexity(gen.bundle.target, text_ids, args.threads)
+    # on ONNX Runtime CPU whatever the bench's backend: a property of the graph
+    ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads), text_ids)
     systems = {"specedge plain": {"tokens_per_second": end_to_end["greedy/plain"],
                                   "perplexity": ours},
                "specedge best": {"tokens_per_second": end_to_end[best], "configuration": best,
@@ -89,14 +90,6 @@ def run(args: argparse.Namespace) -> dict:
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "systems_prompts": n, "quality_tokens": len(text_ids), "configurations": table,
             "systems": systems}
-
-
-def _perplexity(spec, text_ids: list[int], threads: int | None) -> float:
-    """The target graph's perplexity on the quality text, on ONNX Runtime CPU whatever the
-    bench's backend (one prefill call)."""
-    backend = OrtCpuBackend(spec, threads)
-    logits = backend.forward(backend.new_cache(len(text_ids)), text_ids, len(text_ids))
-    return perplexity(logits, text_ids)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 
 from specedge.runtime.backends import OrtCpuBackend
-from specedge.runtime.stats import perplexity
+from specedge.runtime.stats import model_perplexity
 
 from .verify import graph_backend
 
@@ -158,11 +158,6 @@ def _head_matmuls(model: onnx.ModelProto) -> list[str]:
             if n.op_type == "MatMul" and shapes.get(n.input[1], ())[::-1] in tables]
 
 
-def _perplexity(backend: OrtCpuBackend, ids: list[int]) -> float:
-    """Perplexity of ids under the graph (one prefill call)."""
-    return perplexity(backend.forward(backend.new_cache(len(ids)), ids, len(ids)), ids)
-
-
 BATCH_TOLERANCE = 1e-3
 
 
@@ -188,7 +183,7 @@ def quantization_report(reference: Path, quantized: Path, dims: dict, prompt_ids
         want = int(np.argmax(ref.forward(ref_cache, feed, 1)[-1]))
         agree += want == int(np.argmax(quant.forward(quant_cache, feed, 1)[-1]))
         feed = [want]  # both follow the fp32 greedy path
-    ppl_ref, ppl_quant = _perplexity(ref, text_ids), _perplexity(quant, text_ids)
+    ppl_ref, ppl_quant = model_perplexity(ref, text_ids), model_perplexity(quant, text_ids)
     batch_diff = batch_difference(quant, prompt_ids)
     return {"greedy_agreement": agree / steps, "greedy_steps": steps,
             "perplexity_fp32": ppl_ref, "perplexity": ppl_quant,

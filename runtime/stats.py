@@ -163,3 +163,8 @@ def perplexity(logits: np.ndarray, ids: Sequence[int]) -> float:
     x = x - x.max(axis=-1, keepdims=True)
     logp = x[np.arange(n), ids[1:]] - np.log(np.exp(x).sum(axis=-1))
     return float(np.exp(-logp.mean()))
+
+
+def model_perplexity(backend, ids: Sequence[int]) -> float:
+    """:func:`perplexity` of ``ids`` under a backend's graph, from one prefill call."""
+    return perplexity(backend.forward(backend.new_cache(len(ids)), ids, len(ids)), ids)
