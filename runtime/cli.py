@@ -23,7 +23,7 @@ def add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-tokens", type=_k, default=None,
                    help="K, tokens drafted per step, or 'auto' (default: auto when greedy, "
-                   "2 when sampling, so that --seed fixes the text)")
+                   "1 when sampling, so that --seed fixes the text)")
     p.add_argument("--draft-threshold", type=float, default=0.0,
                    help="stop drafting when the draft's probability for its token is below "
                    "this (0 = off)")
