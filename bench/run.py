@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, type=Path)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--limit", type=int, help="use only the first N prompts")
-    p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 6],
-                   help="fixed K values to try (default 2 3 4 6)")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4],
+                   help="fixed K values to try, the first also when sampling (default 1 2 3 4)")
     p.add_argument("--systems-prompts", type=int, default=8,
                    help="prompts for the other systems, which are slow (default 8)")
     p.add_argument("--no-baselines", action="store_true", help="skip transformers, llama.cpp")
