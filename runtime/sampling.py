@@ -195,11 +195,8 @@ def sample(probs: np.ndarray | SparseProbs, rng: np.random.Generator) -> int:
         # so the cumulative sums over the nonzero entries are those of the whole row, and
         # the first index past u * total is the same token: walk only those (same result,
         # bit for bit, as walking the support of a SparseProbs).
-        support = np.flatnonzero(p != 0)  # a float row's nonzero() is 10x slower than a ==
-        if 2 * support.size < p.shape[0]:
-            p = p[support]
-        else:
-            support = None
+        sparse = as_sparse(p)
+        support, p = (sparse.ids, sparse.p) if 2 * sparse.ids.size < p.shape[0] else (None, p)
     cdf = np.cumsum(p)
     total = cdf[-1] if cdf.size else 0.0
     if not (np.isfinite(total) and total > 0):

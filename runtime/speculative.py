@@ -59,11 +59,7 @@ def residual(p: np.ndarray | SparseProbs, q: np.ndarray | SparseProbs
         p = np.asarray(p, dtype=np.float64)
         r = np.subtract(p, q, dtype=np.float64)
     np.maximum(r, 0.0, out=r)
-    mass = r.sum()
-    if not mass > 0:
-        return p
-    r /= mass
-    return SparseProbs(p.ids, r, p.vocab) if isinstance(p, SparseProbs) else r
+    return _normalised(r, p)
 
 
 def verify_greedy(draft_ids: Sequence[int], target_logits: np.ndarray) -> tuple[int, int]:
@@ -193,6 +189,12 @@ def _residual_one_hot(p: np.ndarray | SparseProbs, x: int) -> np.ndarray | Spars
         p = np.asarray(p, dtype=np.float64)
         r = p.copy()
         r[x] = 0.0
+    return _normalised(r, p)
+
+
+def _normalised(r: np.ndarray, p: np.ndarray | SparseProbs) -> np.ndarray | SparseProbs:
+    """``r / sum(r)`` in place, in p's form (dense, or on p's support); ``p`` itself when
+    ``r`` has no mass (no rejection can happen then)."""
     mass = r.sum()
     if not mass > 0:
         return p
