@@ -20,15 +20,22 @@ import onnx
 from tqdm import tqdm
 
 from specedge import __version__
-from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, FORMAT_VERSION, KV_LAYOUT, MANIFEST
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, FORMAT_VERSION, MANIFEST
 
 from .distill import check_distilled_draft, is_distilled_draft, load_draft
 from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
 from .feature_draft import FeatureDraft
-from .graph import GRAPH_REVISION, OPSET, SUPPORTED_ARCHITECTURES, export_onnx, model_dims
+from .graph import (
+    GRAPH_REVISION,
+    OPSET,
+    SUPPORTED_ARCHITECTURES,
+    export_onnx,
+    fused_attention,
+    model_dims,
+)
 from .quantize import PERPLEXITY_TEXT, PRECISIONS, quantization_report, quantize_graph
 from .sources import load_model, resolve_checkpoint
-from .verify import graph_features, verify_feature_draft, verify_graph
+from .verify import graph_features, graph_kv_layout, verify_feature_draft, verify_graph
 
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -62,7 +69,7 @@ def _model_entry(model, path: Path, max_context: int | None, precision: str) -> 
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
     entry = {"file": path.name, "architecture": model.config.model_type, **dims,
-             "dtype": "float32", "precision": precision, "kv_layout": KV_LAYOUT,
+             "dtype": "float32", "precision": precision, "kv_layout": graph_kv_layout(graph),
              "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
     if features:
         entry |= {"features": features, "reads_features": reads}
@@ -93,11 +100,11 @@ def _fingerprint(source: str | None) -> str | None:
 
 
 def export_args(model: str, draft: str | None, draft_layers: int | None,
-                max_context: int | None, precision: str) -> dict:
+                max_context: int | None, precision: str, attention: str = "auto") -> dict:
     """What a bundle was made from: an up-to-date bundle has exactly these."""
     return {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
             "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
-            "max_context": max_context, "precision": precision,
+            "max_context": max_context, "precision": precision, "attention": attention,
             "graph_revision": GRAPH_REVISION}
 
 
@@ -111,7 +118,8 @@ def is_current(out: Path, args: dict) -> bool:
 
 
 def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | None,
-               max_context: int | None, precision: str) -> tuple[Path, Path | None]:
+               max_context: int | None, precision: str,
+               attention: str) -> tuple[Path, Path | None]:
     """Every check that needs no weights, before any slow work: bad input fails at once."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -132,6 +140,7 @@ def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | Non
     if target_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {target_config.model_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    fused_attention(attention, precision, target_config)  # raises if it cannot have it
     if draft_layers is not None:
         check_draft_layers(target_config, draft_layers)
     draft_path = None
@@ -148,23 +157,26 @@ def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | Non
 
 def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
-                  precision: str = "fp32", verify: bool = False, force: bool = False) -> dict:
+                  precision: str = "fp32", verify: bool = False, force: bool = False,
+                  attention: str = "auto") -> dict:
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless
     `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers
     (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
     quantizes both graphs and records the quantized target's agreement with fp32.
+    `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
+    (fused for int8 and int4 Llama-family graphs; a feature draft is always portable).
     """
     from transformers.utils import logging as hf_logging
 
     out = Path(out)
-    args = export_args(model, draft, draft_layers, max_context, precision)
+    args = export_args(model, draft, draft_layers, max_context, precision, attention)
     if not force and is_current(out, args):
         print(f"bundle {out} is up to date (use --force to re-export)", file=sys.stderr)
         return json.loads((out / MANIFEST).read_text())
     target_path, draft_path = _preflight(out, model, draft, draft_layers, max_context,
-                                         precision)
+                                         precision, attention)
     hf_logging.disable_progress_bar()  # one progress bar: ours
 
     steps = ["load models", "export target graph", "export draft graph"]
@@ -190,11 +202,15 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         share_head = precision in ("fp32", "fp16")
         feature_draft = isinstance(draft_model, FeatureDraft)
         export_onnx(target, str(tmp / "target.onnx"), share_head=share_head,
-                    features=feature_draft)
+                    features=feature_draft,
+                    fused=fused_attention(attention, precision, target.config))
         progress.update()
         progress.set_postfix_str("export draft graph")
         if draft_model is not None:
-            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head)
+            fused = not feature_draft and fused_attention(attention, precision,
+                                                          draft_model.config)
+            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head,
+                        fused=fused)
         progress.update()
 
         report = {}

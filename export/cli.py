@@ -23,6 +23,9 @@ def _tensorrt_preflight(args: argparse.Namespace) -> None:
         raise ValueError(f"--backend tensorrt needs --precision fp32 or fp16, got "
                          f"{args.precision}: int8/int4 graphs use MatMulNBits, an ONNX Runtime "
                          "operator TensorRT cannot parse")
+    if args.attention == "fused":
+        raise ValueError("--backend tensorrt needs --attention portable or auto: fused "
+                         "attention is an ONNX Runtime operator TensorRT cannot parse")
     preflight()
 
 
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> None:
             _tensorrt_preflight(args)
         manifest = export_bundle(args.model, args.out, draft=args.draft,
                                  draft_layers=args.draft_layers, max_context=args.max_context,
-                                 precision=args.precision,
+                                 precision=args.precision, attention=args.attention,
                                  verify=args.verify, force=args.force)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
         fail(str(e))

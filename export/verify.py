@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from specedge.runtime.backends import OrtCpuBackend
-from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, ModelSpec
+from specedge.runtime.bundle import (
+    FEATURES_IN,
+    FEATURES_OUT,
+    KV_LAYOUT,
+    KV_LAYOUT_IN_PLACE,
+    ModelSpec,
+)
 
 from .feature_draft import FeatureDraft
 from .graph import model_dims
@@ -30,12 +36,20 @@ def graph_features(graph: onnx.GraphProto) -> tuple[int, bool]:
     return width, any(i.name == FEATURES_IN for i in graph.input)
 
 
+def graph_kv_layout(graph: onnx.GraphProto) -> str:
+    """The graph's KV layout: in place when its attention is GroupQueryAttention."""
+    fused = any(n.op_type == "GroupQueryAttention" for n in graph.node)
+    return KV_LAYOUT_IN_PLACE if fused else KV_LAYOUT
+
+
 def graph_backend(path: Path, dims: dict) -> OrtCpuBackend:
     """An ort-cpu backend on a graph that is not in a bundle yet (dims: model_dims)."""
-    features, reads = graph_features(onnx.load(str(path), load_external_data=False).graph)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    features, reads = graph_features(graph)
     return OrtCpuBackend(ModelSpec(path=Path(path), dtype="float32",
                                    file_size=Path(path).stat().st_size, features=features,
-                                   reads_features=reads, **dims))
+                                   reads_features=reads, kv_layout=graph_kv_layout(graph),
+                                   **dims))
 
 
 def verify_feature_draft(draft: FeatureDraft, onnx_path: Path, prompt_ids: list[int],

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .bundle import FEATURES_IN, FEATURES_OUT, Bundle, ModelSpec
+from .bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE, Bundle, ModelSpec
 from .errors import BackendUnavailableError, BundleError
 from .kv_cache import KVCache
 from .params import check_threads
@@ -44,7 +44,8 @@ class _Binding:
     io: object
     ids: np.ndarray       # [2, 1, T]: input_ids, position_ids
     logits: np.ndarray    # [1, N, vocab]
-    presents: np.ndarray  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
+    presents: np.ndarray | None  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
+    #                              (None: the graph writes them into the cache in place)
     features_in: np.ndarray | None   # [1, T, H], a feature draft's input
     features_out: np.ndarray | None  # [1, T, H], a graph's feature output
 
@@ -53,7 +54,8 @@ class OrtCpuBackend:
     """ONNX Runtime, CPU execution provider, with IO binding.
 
     The cache buffers, the small int inputs and the output buffers are bound by address, so a
-    step allocates nothing and copies only the T new K/V rows. One binding is kept per
+    step allocates nothing and copies only the T new K/V rows (nothing, for a graph that
+    writes them in place: its presents are bound to the cache buffers). One binding is kept per
     (T, N) shape in use (the target alternates K+1 and smaller T, the draft 1 and 2), and
     all are dropped when the cache changes.
     """
@@ -80,7 +82,8 @@ class OrtCpuBackend:
         """Bind every tensor for T input tokens and N kept logits."""
         s = self.spec
         row = (1, s.num_kv_heads, t, s.head_dim)
-        presents = np.zeros((2 * s.num_layers, *row), np.float32)
+        in_place = s.kv_layout == KV_LAYOUT_IN_PLACE
+        presents = None if in_place else np.zeros((2 * s.num_layers, *row), np.float32)
         width = (1, t, s.features)
         b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
                      logits=np.zeros((1, n, s.vocab_size), np.float32), presents=presents,
@@ -96,7 +99,8 @@ class OrtCpuBackend:
         b.io.bind_output("logits", "cpu", 0, np.float32, list(b.logits.shape),
                          b.logits.ctypes.data)
         for j, name in enumerate(self._outputs[1:1 + 2 * s.num_layers]):
-            b.io.bind_output(name, "cpu", 0, np.float32, list(row), b.presents[j].ctypes.data)
+            buf = cache.planes[j] if in_place else b.presents[j]
+            b.io.bind_output(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
         if b.features_in is not None:
             b.io.bind_input(FEATURES_IN, "cpu", 0, np.float32, list(width),
                             b.features_in.ctypes.data)
@@ -136,7 +140,10 @@ class OrtCpuBackend:
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
-        cache.write(b.presents)
+        if b.presents is None:
+            cache.advance(t)
+        else:
+            cache.write(b.presents)
         self.features = None if b.features_out is None else b.features_out[0]
         return b.logits[0]
 
@@ -200,6 +207,11 @@ def load_backend(name: str, bundle: Bundle, role: str,
     spec = getattr(bundle, role)
     if name == "ort-cpu":
         return OrtCpuBackend(spec, threads)
+    if spec.kv_layout == KV_LAYOUT_IN_PLACE:
+        raise BackendUnavailableError(
+            f"this bundle's {role} graph uses ONNX Runtime's CPU attention (KV layout "
+            f"{KV_LAYOUT_IN_PLACE!r}), which runs on backend 'ort-cpu' only; for {name!r}, "
+            "export the bundle with --attention portable")
     if spec.features:
         raise BackendUnavailableError(
             f"this bundle has a feature draft, which runs on backend 'ort-cpu' only for now; "

@@ -24,6 +24,11 @@ KV layout "bhsd-fixed": the runtime owns cache buffers of fixed capacity C. The 
 rows [0, past_length) and masks the rest; it returns only the T new rows, which the runtime
 writes at [past_length, past_length + T). Rollback is lowering past_length.
 
+KV layout "bhsd-inplace" (ONNX Runtime CPU only: GroupQueryAttention, export/graph.py): the
+same buffers and rollback, but each present output is its whole cache buffer,
+[1, kv_heads, C, head_dim]. The runtime binds it to the same memory as the past input, and
+the graph writes the T new rows there itself.
+
 A bundle with a feature draft (format 2, export/feature_draft.py) adds, after the above:
 
     target outputs  hidden_states     float  [1, T, H]  its features (manifest: features H)
@@ -45,6 +50,8 @@ FEATURES_IN = "hidden_states_in"
 FEATURES_OUT = "hidden_states"
 MANIFEST = "manifest.json"
 KV_LAYOUT = "bhsd-fixed"
+KV_LAYOUT_IN_PLACE = "bhsd-inplace"
+KV_LAYOUTS = (KV_LAYOUT, KV_LAYOUT_IN_PLACE)
 
 
 def past_key_name(layer: int) -> str:
@@ -88,6 +95,7 @@ class ModelSpec:
     file_size: int
     features: int = 0             # H when the graph outputs `hidden_states`, else 0
     reads_features: bool = False  # a feature draft: takes `hidden_states_in`
+    kv_layout: str = KV_LAYOUT
 
     def io(self) -> tuple[list[str], list[str]]:
         return graph_io(self.num_layers, self.reads_features, self.features > 0)
@@ -123,9 +131,10 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
             expected = "a positive integer" if kind is int else "a string"
             raise _bad(root, f"models.{role}.{key} must be {expected}, got {value!r}")
-    if entry["kv_layout"] != KV_LAYOUT:
+    if entry["kv_layout"] not in KV_LAYOUTS:
         raise BundleError(f"{root / MANIFEST}: models.{role} uses KV layout "
-                          f"{entry['kv_layout']!r}; this runtime reads {KV_LAYOUT!r}")
+                          f"{entry['kv_layout']!r}; this runtime reads "
+                          f"{' and '.join(map(repr, KV_LAYOUTS))}: upgrade specedge")
     path = root / entry["file"]
     if not path.is_file():
         raise BundleError(f"bundle file missing: {path}; re-export the bundle")
@@ -133,7 +142,7 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
         raise BundleError(f"bundle file {path} is {path.stat().st_size} bytes, the manifest "
                           f"says {entry['file_size']}: it is truncated or was replaced; "
                           "re-export the bundle")
-    fields = {k: entry[k] for k in _MODEL_FIELDS if k not in ("file", "kv_layout")}
+    fields = {k: entry[k] for k in _MODEL_FIELDS if k != "file"}
     features, reads = entry.get("features", 0), entry.get("reads_features", False)
     if not isinstance(features, int) or isinstance(features, bool) or features < 0:
         raise _bad(root, f"models.{role}.features must be an integer >= 0, got {features!r}")

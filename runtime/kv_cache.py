@@ -1,18 +1,18 @@
-"""Preallocated KV-cache buffers (layout "bhsd-fixed", see bundle.py).
+"""Preallocated KV-cache buffers (layouts "bhsd-fixed" and "bhsd-inplace", see bundle.py).
 
 One K and one V buffer of shape [1, kv_heads, capacity, head_dim] per layer, never
 reallocated inside a step, so their addresses stay fixed while a step runs. They are the
 planes of one array in the graph's order (K, V of layer 0, K, V of layer 1, ...), so a
-step's new rows go in with one copy. The graph
-masks rows >= length, so rollback after a rejected draft is only `length = n`: stale rows
-are never read as valid and are overwritten by the next write.
+step's new rows go in with one copy (`write`), or are written by the graph itself
+(`advance`). The graph never reads rows >= length, so rollback after a rejected draft is
+only `length = n`: stale rows are never read as valid and are overwritten by the next write.
 
-The graph attends over the whole capacity, masked rows included (SmolLM2 int8 on 2 cores:
-a one-token step takes ~20 ms at capacity 256, ~23 at 512 and ~25 at 768, at one context
-length). So the host cache does not start at prompt + max_new_tokens: it starts with room
-for the prompt and grows by CAPACITY_STEP rows between steps (`grown`, a copy of the rows
-held: ~46 KB per row for SmolLM2). Device caches keep one capacity per generation (their
-addresses are captured in CUDA graphs and TensorRT contexts).
+A portable graph attends over the whole capacity, masked rows included (SmolLM2 int8 on
+2 cores: a one-token step takes ~20 ms at capacity 256, ~23 at 512 and ~25 at 768, at one
+context length). So the host cache does not start at prompt + max_new_tokens: it starts
+with room for the prompt and grows by CAPACITY_STEP rows between steps (`grown`, a copy of
+the rows held: ~46 KB per row for SmolLM2). Device caches keep one capacity per generation
+(their addresses are captured in CUDA graphs and TensorRT contexts).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ class KVCache:
             raise ValueError(f"KV cache full: {end} rows needed, capacity {self.capacity}")
         self.planes[:, :, :, self.length:end] = rows
         self.length = end
+
+    def advance(self, t: int) -> None:
+        """Count T rows that the graph wrote in place at [length, length + T) (KV layout
+        "bhsd-inplace")."""
+        if self.length + t > self.capacity:
+            raise ValueError(f"KV cache full: {self.length + t} rows needed, capacity "
+                             f"{self.capacity}")
+        self.length += t
 
     def grown(self, capacity: int) -> KVCache:
         """A cache of `capacity` rows holding this one's rows (new buffers, new addresses)."""

@@ -78,6 +78,11 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
                    help="weights of both graphs; int8/int4 are weight-only (MatMulNBits), "
                    "fastest on CPU; the export reports the quantized target's change")
+    p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
+                   help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
+                   "cache in place and reads only its valid rows (ort-cpu only; Llama "
+                   "family); portable: standard ONNX operators, for every backend; auto "
+                   "(default): fused for int8/int4, portable for fp32/fp16")
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
     p.add_argument("--backend", choices=("onnx", "tensorrt"), default="onnx",

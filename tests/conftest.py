@@ -26,7 +26,10 @@ SMOLLM2_FEATURE_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
-    return {arch: save_tiny(root / arch, arch) for arch in ("llama", "qwen2", "mistral", "gpt2")}
+    checkpoints = {arch: save_tiny(root / arch, arch)
+                   for arch in ("llama", "qwen2", "mistral", "gpt2")}
+    checkpoints["llama-h16"] = save_tiny(root / "llama-h16", "llama", hidden_size=64)
+    return checkpoints
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +37,14 @@ def tiny_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
     """Tiny Llama target (2 layers) with its first layer as the draft."""
     out = tmp_path_factory.mktemp("bundles") / "tiny"
     export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_fused_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+    """`tiny_bundle` on GroupQueryAttention (head size 16): KV layout "bhsd-inplace"."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny-fused"
+    export_bundle(str(tiny_checkpoints["llama-h16"]), out, draft_layers=1, attention="fused")
     return out
 
 

@@ -11,9 +11,12 @@ from specedge.runtime.bundle import load_bundle
 from specedge.runtime.kv_cache import CAPACITY_STEP, KVCache, capacity_for
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_bundle):
-    return OrtCpuBackend(load_bundle(tiny_bundle).target)
+@pytest.fixture(scope="module", params=["portable", "fused"])
+def backend(request, tiny_bundle, tiny_fused_bundle):
+    """Both KV layouts: the runtime writes the new rows (portable), the graph writes them
+    in place (fused, GroupQueryAttention)."""
+    bundle = tiny_fused_bundle if request.param == "fused" else tiny_bundle
+    return OrtCpuBackend(load_bundle(bundle).target)
 
 
 def test_rollback_then_continue_equals_fresh_run(backend):
@@ -86,6 +89,15 @@ def test_kvcache_write_and_rollback_arithmetic():
         cache.rollback(2)
     with pytest.raises(ValueError):
         cache.write(np.zeros((4, 1, 1, 5, 2), np.float32))
+
+
+def test_kvcache_advance_counts_rows_written_in_place():
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=5)
+    cache.advance(3)
+    assert cache.length == 3
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.advance(3)
+    assert cache.length == 3
 
 
 def test_capacity_for():

@@ -43,7 +43,9 @@ def char_tokenizer(other_ids: bool = False) -> PreTrainedTokenizerFast:
 
 
 def tiny_model(arch: str, vocab_size: int = len(VOCAB), layers: int = 2, seed: int = 0,
-               max_positions: int = 512):
+               max_positions: int = 512, hidden_size: int = 32):
+    """hidden_size 32: head size 8 (Llama family: 4 heads, 2 KV heads); 64 gives head size
+    16, the smallest ONNX Runtime's GroupQueryAttention takes."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, bos_token_id=BOS, eos_token_id=EOS)
     # A wide init makes the next-token distributions peaked, like a trained model's.
@@ -53,7 +55,7 @@ def tiny_model(arch: str, vocab_size: int = len(VOCAB), layers: int = 2, seed: i
         return _rare_eos(GPT2LMHeadModel(cfg).eval())
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "mistral": (MistralConfig, MistralForCausalLM)}[arch]
-    cfg = cls[0](hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+    cfg = cls[0](hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=layers,
                  num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=max_positions, initializer_range=0.3,
                  tie_word_embeddings=False, **common)
@@ -68,9 +70,11 @@ def _rare_eos(model):
 
 
 def save_tiny(path: Path, arch: str = "llama", layers: int = 2, seed: int = 0,
-              other_ids: bool = False, vocab_size: int = len(VOCAB)) -> Path:
+              other_ids: bool = False, vocab_size: int = len(VOCAB),
+              hidden_size: int = 32) -> Path:
     """Write a tiny checkpoint folder (model + tokenizer + chat template) and return it."""
-    model = tiny_model(arch, vocab_size=vocab_size, layers=layers, seed=seed)
+    model = tiny_model(arch, vocab_size=vocab_size, layers=layers, seed=seed,
+                       hidden_size=hidden_size)
     model.generation_config.eos_token_id = EOS
     model.save_pretrained(path)
     char_tokenizer(other_ids).save_pretrained(path)
