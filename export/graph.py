@@ -161,9 +161,17 @@ class _GroupQueryAttention(torch.autograd.Function):
                  kv_heads, scale):
         absent = g.op("prim::Constant")  # the omitted optional inputs key and value
         absent.setType(torch._C.OptionalType.ofTensor())
-        return g.op("com.microsoft::GroupQueryAttention", qkv, absent, absent, past_k, past_v,
-                    seqlens_k, total, cos, sin, positions, outputs=3, num_heads_i=heads,
-                    kv_num_heads_i=kv_heads, scale_f=scale, do_rotary_i=1)
+        out, present_k, present_v = g.op(
+            "com.microsoft::GroupQueryAttention", qkv, absent, absent, past_k, past_v,
+            seqlens_k, total, cos, sin, positions, outputs=3, num_heads_i=heads,
+            kv_num_heads_i=kv_heads, scale_f=scale, do_rotary_i=1)
+        # The exporter cannot infer a contrib operator's output shapes; without them every
+        # shape after the first layer (logits, features) would be unknown in the graph.
+        width = qkv.type().varyingSizes()[2] // (heads + 2 * kv_heads) * heads
+        out.setType(qkv.type().with_sizes([1, None, width]))
+        present_k.setType(past_k.type())
+        present_v.setType(past_v.type())
+        return out, present_k, present_v
 
 
 def llama_bias(config, past_length: torch.Tensor, past_k: torch.Tensor,

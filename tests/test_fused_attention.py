@@ -46,6 +46,23 @@ def test_fused_graphs_have_one_attention_node_per_layer(tiny_fused_bundle, porta
     assert manifest["source"]["attention"] == "fused"
 
 
+def test_fused_graph_declares_its_output_shapes(tiny_checkpoints, tmp_path):
+    """The exporter cannot infer GroupQueryAttention's shapes, so the graph declares them:
+    the bundle reads the logits' and the features' widths from the graph."""
+    from specedge.export.graph import export_onnx
+    from specedge.export.sources import load_model
+
+    model, _ = load_model(tiny_checkpoints["llama-h16"])
+    export_onnx(model, str(tmp_path / "g.onnx"), features=True, fused=True)
+    graph = onnx.load(str(tmp_path / "g.onnx")).graph
+    shapes = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim]
+              for o in graph.output}
+    cfg = model.config
+    assert shapes["logits"] == [1, "N", cfg.vocab_size]
+    assert shapes["hidden_states"] == [1, "T", cfg.hidden_size]
+    assert shapes["present.1.value"] == [1, cfg.num_key_value_heads, "C", 16]
+
+
 def test_fused_graph_passes_verify(tiny_checkpoints, tmp_path):
     """--verify: logits within 1e-3 of transformers over a prompt and 32 cached steps, and
     the same 32 greedy tokens."""
