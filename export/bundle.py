@@ -166,7 +166,7 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
     quantizes both graphs and records the quantized target's agreement with fp32.
     `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
-    (fused for int8 and int4 Llama-family graphs; a feature draft is always portable).
+    (fused for int8 and int4 Llama-family graphs).
     """
     from transformers.utils import logging as hf_logging
 
@@ -207,10 +207,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         progress.update()
         progress.set_postfix_str("export draft graph")
         if draft_model is not None:
-            fused = not feature_draft and fused_attention(attention, precision,
-                                                          draft_model.config)
             export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head,
-                        fused=fused)
+                        fused=fused_attention(attention, precision, draft_model.config))
         progress.update()
 
         report = {}

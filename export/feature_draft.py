@@ -28,7 +28,16 @@ import copy
 import torch
 from torch import nn
 
-from .graph import _last_positions, _lm_head, llama_bias, llama_layer, rotary_tables
+from .graph import (
+    _last_positions,
+    _lm_head,
+    gqa_lengths,
+    gqa_rotary_cache,
+    llama_bias,
+    llama_layer,
+    llama_layer_fused,
+    rotary_tables,
+)
 
 
 class FeatureDraft(nn.Module):
@@ -65,6 +74,13 @@ class FeatureDraft(nn.Module):
             frozen.requires_grad_(False)
         self.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
 
+    rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse_attention
+
+    def fuse_attention(self) -> None:
+        """From now on the graph (`forward`) runs its layer on GroupQueryAttention, KV
+        layout "bhsd-inplace" (export/graph.py); training is unchanged."""
+        self.rotary_cache = gqa_rotary_cache(self.rotary_emb, self.config)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a draft folder stores: fc and the layer."""
         return {k: v for k, v in self.state_dict().items()
@@ -90,10 +106,15 @@ class FeatureDraft(nn.Module):
                 features):
         """The graph: one call over T pairs with the bundle's KV-cache contract."""
         x = self._pairs(input_ids, features)
-        rotary = rotary_tables(*self.rotary_emb(x, position_ids),
-                               self.layer.self_attn.head_dim)
-        bias = llama_bias(self.config, past_length, past_k, input_ids, x.dtype)
-        x, k, v = llama_layer(self.layer, x, rotary, past_k, past_v, bias)
+        if self.rotary_cache is not None:
+            x, k, v = llama_layer_fused(self.layer, x, past_k, past_v,
+                                        gqa_lengths(past_length, input_ids),
+                                        self.rotary_cache, position_ids)
+        else:
+            rotary = rotary_tables(*self.rotary_emb(x, position_ids),
+                                   self.layer.self_attn.head_dim)
+            bias = llama_bias(self.config, past_length, past_k, input_ids, x.dtype)
+            x, k, v = llama_layer(self.layer, x, rotary, past_k, past_v, bias)
         return _lm_head(self, _last_positions(x, logits_to_keep)), k, v, x
 
 

@@ -218,6 +218,24 @@ def llama_layer(layer: nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, .
     return _mlp_block(layer, x + attn.o_proj(o)), k, v
 
 
+def gqa_rotary_cache(rotary_emb: nn.Module, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """GroupQueryAttention's rotary tables (cos, sin) [max_context, D/2] from a Hugging
+    Face rotary embedding: the first half of its tables (the two halves are equal)."""
+    d = model_dims_of(config)["head_dim"]
+    positions = torch.arange(model_dims_of(config)["max_context"]).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    return cos[0, :, :d // 2].contiguous(), sin[0, :, :d // 2].contiguous()
+
+
+def gqa_lengths(past_length: torch.Tensor, input_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GroupQueryAttention's (seqlens_k, total): past_length + T - 1 and past_length + T,
+    int32, built once per call and shared by every layer."""
+    total = past_length + input_ids.shape[1]
+    return (total - 1).to(torch.int32), total.to(torch.int32).reshape(())
+
+
 def llama_layer_fused(layer: nn.Module, x: torch.Tensor, past_k: torch.Tensor,
                       past_v: torch.Tensor, lengths: tuple[torch.Tensor, torch.Tensor],
                       rotary_cache: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
@@ -248,22 +266,14 @@ class LlamaFamilyDecoder(nn.Module):
         self.features = features
         self.fused = fused
         if fused:
-            base = model.model
-            d = base.layers[0].self_attn.head_dim
-            positions = torch.arange(model_dims(model)["max_context"]).unsqueeze(0)
-            with torch.no_grad():
-                cos, sin = base.rotary_emb(base.embed_tokens.weight[:1], positions)
-            # GroupQueryAttention's tables: the first half of HF's (its halves are equal).
-            self.rotary_cache = (cos[0, :, :d // 2].contiguous(),
-                                 sin[0, :, :d // 2].contiguous())
+            self.rotary_cache = gqa_rotary_cache(model.model.rotary_emb, model.config)
 
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
         base = self.model.model
         x = base.embed_tokens(input_ids)
         presents = []
         if self.fused:
-            total = past_length + input_ids.shape[1]
-            lengths = ((total - 1).to(torch.int32), total.to(torch.int32).reshape(()))
+            lengths = gqa_lengths(past_length, input_ids)
             for i, layer in enumerate(base.layers):
                 x, k, v = llama_layer_fused(layer, x, past[2 * i], past[2 * i + 1], lengths,
                                             self.rotary_cache, position_ids)
@@ -408,8 +418,8 @@ def export_onnx(model: nn.Module, path: str, share_head: bool = True,
     copy). Quantized exports keep the copy, so that the head gets quantized as a MatMul.
     `features`: a target that also outputs its features (for a feature draft). A feature
     draft (export/feature_draft.py) is its own export module and always has feature I/O.
-    `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (not for a feature
-    draft).
+    `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (a feature draft is
+    switched to it with its `fuse_attention`).
     """
     from .feature_draft import FeatureDraft
 
@@ -430,7 +440,7 @@ def export_onnx(model: nn.Module, path: str, share_head: bool = True,
     for name in outputs[1:]:
         dynamic[name] = {1: "T"} if name == FEATURES_OUT else {2: "C" if fused else "T"}
     if reads and fused:
-        raise ValueError("a feature draft's graph has portable attention only")
+        model.fuse_attention()
     module = model if reads else wrap(model, features, fused)
     with torch.no_grad():
         torch.onnx.export(module.eval(), args, path, input_names=inputs,

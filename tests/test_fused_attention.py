@@ -108,6 +108,37 @@ def test_greedy_speculative_equals_plain_on_fused_graphs(tiny_fused_bundle, k, d
         assert spec.stats["target_calls"] < plain.stats["target_calls"]
 
 
+@pytest.fixture(scope="module")
+def fused_feature_bundle(tiny_checkpoints, tmp_path_factory):
+    """A feature draft (EAGLE) distilled for the head-size-16 tiny target, both graphs
+    fused and checked at export (--verify)."""
+    from specedge.export.distill import DistillConfig, distill
+
+    root = tmp_path_factory.mktemp("fused-feature")
+    distill(root / "draft", DistillConfig(
+        target=str(tiny_checkpoints["llama-h16"]), kind="feature", head_tokens=16,
+        prompts=32, new_tokens=24, generate_batch=16, epochs=2, batch=8))
+    manifest = export_bundle(str(tiny_checkpoints["llama-h16"]), root / "bundle",
+                             draft=str(root / "draft"), attention="fused", verify=True)
+    return root / "bundle", manifest
+
+
+def test_fused_feature_draft_verifies_and_stays_exact(fused_feature_bundle):
+    out, manifest = fused_feature_bundle
+    for role in ("target", "draft"):
+        assert manifest["verify"][role]["ok"], manifest["verify"][role]
+        assert manifest["models"][role]["kv_layout"] == "bhsd-inplace"
+    bundle = load_bundle(out)
+    assert bundle.draft.reads_features and bundle.draft.features == bundle.target.features
+    gen = Generator.from_bundle(out)
+    for prompt in ("hello world", "the cat sat", "why?"):
+        plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
+        for k in (1, 3):
+            spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=k)
+            assert spec.token_ids == plain.token_ids
+            assert spec.stats["draft_calls"] > 0
+
+
 def test_fused_bundle_is_refused_off_the_cpu_backend(tiny_fused_bundle):
     bundle = load_bundle(tiny_fused_bundle)
     with pytest.raises(BackendUnavailableError, match="--attention portable"):
