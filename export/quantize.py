@@ -28,6 +28,7 @@ the same quantized graph at a near tie.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -139,8 +140,12 @@ def _weight_only(model: onnx.ModelProto, bits: int, ops: tuple[str, ...],
                  exclude: list[str] | None = None) -> onnx.ModelProto:
     """Each of `ops` with a constant weight -> MatMulNBits / GatherBlockQuantized, except
     the `exclude`d nodes."""
+    from onnxruntime.quantization import matmul_nbits_quantizer
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    # Its module logs a line per node at INFO (about 1400 for SmolLM2) under the export's
+    # progress bar; warnings still show.
+    matmul_nbits_quantizer.logger.setLevel(logging.WARNING)
     quantizer = MatMulNBitsQuantizer(
         model, bits=bits, block_size=BLOCK_SIZE, is_symmetric=False, accuracy_level=4,
         nodes_to_exclude=exclude, op_types_to_quantize=ops,

@@ -4,6 +4,7 @@ speculative decoding stays exact against the (quantized) target."""
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 
 import numpy as np
@@ -80,6 +81,15 @@ def test_speculative_is_exact_on_a_quantized_target(quantized):
         plain = gen.generate(prompt, raw=True, max_new_tokens=30, use_draft=False)
         spec = gen.generate(prompt, raw=True, max_new_tokens=30, draft_tokens=3)
         assert spec.token_ids == plain.token_ids
+
+
+def test_quantizing_logs_no_line_per_node(tiny_checkpoints, tmp_path, caplog):
+    """ONNX Runtime's quantizer logs each node at INFO; the export's output stays its
+    progress bar and report."""
+    with caplog.at_level(logging.INFO):
+        export_bundle(str(tiny_checkpoints["llama"]), tmp_path / "b", precision="int8")
+    assert not [r.getMessage() for r in caplog.records
+                if r.name.startswith("onnxruntime") and r.levelno < logging.WARNING]
 
 
 def test_unknown_precision_is_refused(tiny_checkpoints, tmp_path):
