@@ -20,7 +20,13 @@ import onnx
 from tqdm import tqdm
 
 from specedge import __version__
-from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, FORMAT_VERSION, MANIFEST
+from specedge.runtime.bundle import (
+    FEATURES_IN,
+    FEATURES_OUT,
+    FORMAT_VERSION,
+    KV_LAYOUT_IN_PLACE,
+    MANIFEST,
+)
 
 from .distill import check_distilled_draft, is_distilled_draft, load_draft
 from .draft import check_draft_layers, check_same_vocabulary, truncated_draft
@@ -43,19 +49,20 @@ _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16
            onnx.TensorProto.INT64: "int64"}
 
 
-def _io_spec(graph: onnx.GraphProto, dims: dict, features: int) -> tuple[list[dict],
-                                                                          list[dict]]:
+def _io_spec(graph: onnx.GraphProto, dims: dict, features: int,
+             kv_layout: str) -> tuple[list[dict], list[dict]]:
     """Names and dtypes as the graph has them; shapes as the contract states them (the
     exporter leaves some static dims symbolic)."""
     kv = [1, dims["num_kv_heads"], None, dims["head_dim"]]
+    in_place = kv_layout == KV_LAYOUT_IN_PLACE  # presents are the whole cache buffers
     shapes = {"input_ids": [1, "T"], "position_ids": [1, "T"], "past_length": [1],
               "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]],
               FEATURES_IN: [1, "T", features], FEATURES_OUT: [1, "T", features]}
 
     def entry(v) -> dict:
         elem = v.type.tensor_type.elem_type
-        shape = shapes.get(v.name) or [d if d is not None else
-                                       ("C" if v.name.startswith("past") else "T") for d in kv]
+        rows = "C" if v.name.startswith("past") or in_place else "T"
+        shape = shapes.get(v.name) or [d if d is not None else rows for d in kv]
         return {"name": v.name, "dtype": _DTYPES.get(elem, str(elem)), "shape": shape}
 
     return [entry(v) for v in graph.input], [entry(v) for v in graph.output]
@@ -65,11 +72,12 @@ def _model_entry(model, path: Path, max_context: int | None, precision: str) -> 
     dims = model_dims(model)
     graph = onnx.load(str(path), load_external_data=False).graph
     features, reads = graph_features(graph)
-    inputs, outputs = _io_spec(graph, dims, features)
+    kv_layout = graph_kv_layout(graph)
+    inputs, outputs = _io_spec(graph, dims, features, kv_layout)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
     entry = {"file": path.name, "architecture": model.config.model_type, **dims,
-             "dtype": "float32", "precision": precision, "kv_layout": graph_kv_layout(graph),
+             "dtype": "float32", "precision": precision, "kv_layout": kv_layout,
              "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
     if features:
         entry |= {"features": features, "reads_features": reads}

@@ -38,6 +38,8 @@ def test_fused_graphs_have_one_attention_node_per_layer(tiny_fused_bundle, porta
     for role in ("target", "draft"):
         model = manifest["models"][role]
         assert model["kv_layout"] == "bhsd-inplace"
+        presents = [o["shape"] for o in model["outputs"] if o["name"].startswith("present")]
+        assert presents and all(p == [1, model["num_kv_heads"], "C", 16] for p in presents)
         ops = _ops(tiny_fused_bundle / model["file"])
         assert ops["GroupQueryAttention"] == model["num_layers"]
         assert ops["Softmax"] == 0  # no attention left outside the fused node
@@ -61,6 +63,29 @@ def test_fused_graph_declares_its_output_shapes(tiny_checkpoints, tmp_path):
     assert shapes["logits"] == [1, "N", cfg.vocab_size]
     assert shapes["hidden_states"] == [1, "T", cfg.hidden_size]
     assert shapes["present.1.value"] == [1, cfg.num_key_value_heads, "C", 16]
+
+
+def test_fused_module_computes_what_the_portable_module_computes(tiny_checkpoints):
+    """The torch side of the fused export (what tracing runs) against the portable module,
+    eagerly: the same logits, and the new rows written into the buffers."""
+    import torch
+
+    from specedge.export.graph import wrap
+    from specedge.export.sources import load_model
+
+    model, _ = load_model(tiny_checkpoints["llama-h16"])
+    cfg = model.config
+    past = [torch.randn(1, cfg.num_key_value_heads, 16, 16) for _ in range(4)]
+    ids, past_length = torch.tensor([[5, 9, 7]]), torch.tensor([4])
+    args = (ids, torch.arange(4, 7).unsqueeze(0), past_length, torch.tensor([3]))
+    with torch.no_grad():
+        logits, *rows = wrap(model)(*args, *past)
+        fused_logits, *buffers = wrap(model, fused=True)(*args, *past)
+    torch.testing.assert_close(fused_logits, logits, atol=1e-5, rtol=1e-5)
+    for buf, new, old in zip(buffers, rows, past):
+        torch.testing.assert_close(buf[:, :, 4:7], new, atol=1e-5, rtol=1e-5)
+        assert torch.equal(buf[:, :, :4], old[:, :, :4])
+        assert torch.equal(buf[:, :, 7:], old[:, :, 7:])
 
 
 def test_fused_graph_passes_verify(tiny_checkpoints, tmp_path):
