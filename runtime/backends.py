@@ -21,6 +21,9 @@ from .params import check_threads
 
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "host-emulated")
 MAX_KEPT_T = 16
+# The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
+# graphs feed it (microsoft/onnxruntime#23944); tested with 1.31.
+MIN_ORT_FUSED = (1, 22)
 
 
 class Backend(Protocol):
@@ -168,6 +171,13 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str):
     """An ONNX Runtime session for one graph of a bundle, checked against the contract."""
     import onnxruntime as ort
 
+    here = tuple(int(p) for p in ort.__version__.split(".")[:2])
+    if spec.kv_layout == KV_LAYOUT_IN_PLACE and here < MIN_ORT_FUSED:
+        raise BackendUnavailableError(
+            f"{spec.path} uses ONNX Runtime's GroupQueryAttention with position_ids, which "
+            f"needs onnxruntime >= {'.'.join(map(str, MIN_ORT_FUSED))} (this is "
+            f"{ort.__version__}): pip install -U onnxruntime, or export the bundle with "
+            "--attention portable")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:

@@ -170,6 +170,14 @@ def test_fused_bundle_is_refused_off_the_cpu_backend(tiny_fused_bundle):
         load_backend("host-emulated", bundle, "target")
 
 
+def test_fused_bundle_needs_a_recent_onnxruntime(tiny_fused_bundle, monkeypatch):
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.21.1")
+    with pytest.raises(BackendUnavailableError, match="onnxruntime >= 1.22"):
+        OrtCpuBackend(load_bundle(tiny_fused_bundle).target)
+
+
 def test_attention_choice(tiny_checkpoints):
     h16 = AutoConfig.from_pretrained(tiny_checkpoints["llama-h16"])
     h8 = AutoConfig.from_pretrained(tiny_checkpoints["llama"])
