@@ -221,8 +221,8 @@ def llama_layer(layer: nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, .
 def gqa_rotary_cache(rotary_emb: nn.Module, config) -> tuple[torch.Tensor, torch.Tensor]:
     """GroupQueryAttention's rotary tables (cos, sin) [max_context, D/2] from a Hugging
     Face rotary embedding: the first half of its tables (the two halves are equal)."""
-    d = model_dims_of(config)["head_dim"]
-    positions = torch.arange(model_dims_of(config)["max_context"]).unsqueeze(0)
+    dims = model_dims_of(config)
+    d, positions = dims["head_dim"], torch.arange(dims["max_context"]).unsqueeze(0)
     with torch.no_grad():
         cos, sin = rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0, :, :d // 2].contiguous(), sin[0, :, :d // 2].contiguous()

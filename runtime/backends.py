@@ -64,10 +64,13 @@ class OrtCpuBackend:
     """
 
     name = "ort-cpu"
-    grows_cache = True  # a new cache object is bound at its first call
 
     def __init__(self, spec: ModelSpec, threads: int | None = None):
         self.spec = spec
+        # A portable graph attends over the whole capacity, so its cache starts small and
+        # grows (a new cache object is bound at its first call); an in-place graph reads
+        # only the valid rows, so growing would only copy.
+        self.grows_cache = spec.kv_layout != KV_LAYOUT_IN_PLACE
         self.session = open_session(spec, threads, "CPUExecutionProvider")
         self._inputs, self._outputs = spec.io()
         self._past_length = np.zeros(1, np.int64)

@@ -174,8 +174,8 @@ class Generator:
                 auto: bool, threshold: float, drafter, rng: np.random.Generator,
                 clock: StepClock) -> Iterator[list[int]]:
         limit = capacity_for(len(prompt) + max_new, self.max_context(drafter))
-        # The graph attends over the whole capacity: a host cache starts with room for the
-        # prompt and grows between steps (kv_cache.py); a device cache is allocated once.
+        # A portable graph attends over the whole capacity: its host cache starts with room
+        # for the prompt and grows between steps (kv_cache.py); other caches are sized once.
         capacity = capacity_for(len(prompt), limit) if self.target.grows_cache else limit
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-CAPACITY_STEP = 256  # capacity is rounded up to this; attention cost is O(capacity)
+CAPACITY_STEP = 256  # capacity is rounded up to this; a portable graph's attention is O(capacity)
 
 
 def capacity_for(tokens: int, max_context: int) -> int:

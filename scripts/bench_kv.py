@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 
 from specedge.runtime import Generator
+from specedge.runtime.backends import OrtCpuBackend
 
 
 def default_bundle() -> Path:
@@ -63,7 +64,7 @@ def main() -> None:
     prompt = text_ids[:64]
     for _ in range(args.repeats):
         for grows in growth:  # interleaved; greedy, so both ways decode the same tokens
-            gen.target.grows_cache = grows and type(gen.target).grows_cache
+            gen.target.grows_cache = grows and isinstance(gen.target, OrtCpuBackend)
             out = gen.generate(prompt_ids=prompt, max_new_tokens=args.long, use_draft=False)
             growth[grows].append(1000.0 / out.stats["decode_tokens_per_second"])
     sized, grown = (statistics.median(growth[g]) for g in (False, True))
