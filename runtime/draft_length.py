@@ -9,12 +9,15 @@ Per position, because acceptance is not i.i.d.: a prompt-lookup draft whose firs
 right is likely to be copying a real span (measured 0.19, 0.42, 0.61, 0.60 on chat prompts).
 d is the seconds of one draft step, v(T) the seconds of a target step on T tokens (the call
 and the choice of tokens from its rows). With v constant, rate(K) / rate(0) is the ideal
-speedup of DESIGN.md with c = d / v. But a (K+1)-token call costs more than a one-token call,
-by a factor that depends on the CPU, the precision and the thread pool (SmolLM2 int8 on a
-2-core CPU without AVX2: 1.1x at T = 2, 1.6x at T = 5, 2.3x at T = 9; fp32 1.1x-1.4x, see
+speedup of DESIGN.md with c = d / v. But a (K+1)-token call costs more than a one-token
+call, by a factor that depends on the CPU, the precision and the thread pool (SmolLM2 int8
+on a 2-core CPU without AVX2: 1.1x at T = 2, 1.6x at T = 5, 2.3x at T = 9; fp32 1.1x-1.4x, see
 scripts/bench_verify_cost.py), so auto measures v per T instead of assuming it flat. K = 0
 is plain decoding: auto falls back to it when no K pays, and a poor draft then costs only
-the probes below.
+the probes below. d is measured on steps whose draft kept pace with the loop: a draft
+model that skipped steps (K = 0, a lookup draft, the prompt for a feature draft) first
+takes in the tokens it missed, a one-off that, priced as a draft step, made d up to 3x too
+high and kept K at 0 (drafters.py, `caught_up`).
 
 The beta_i and the costs are measured over the recent steps of the same drafter and
 sampling mode, across generations (`StepHistory`): acceptance counts decay with age (a

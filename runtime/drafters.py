@@ -9,8 +9,12 @@ are likely wasted. The doubtful token itself is kept: dropping a
 token because of its own value would make the proposal differ from q, and the acceptance
 test would no longer be exact when sampling.
 `rollback(n)` tells the drafter that only the first n context tokens are still valid.
-`calls` counts the drafter's forward calls, for the cost ratio c. A drafter with
-`needs_features` is given the target's features after every target call (`observe`).
+`calls` counts the drafter's forward calls, for the cost ratio c; `caught_up` is how many
+tokens the first of them took in during the last `propose` (0: no model call): more than
+the last step's new tokens means the draft had fallen behind (the prompt, steps at K = 0 or
+drafted by lookup), a one-off cost that auto does not count as the price of a draft step
+(draft_length.py). A drafter with `needs_features` is given the target's features after
+every target call (`observe`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class ModelDrafter:
         self.choice = choice_for(backend)
         self.cache = None
         self.calls = 0
+        self.caught_up = 0
 
     def start(self, prompt: list[int], capacity: int) -> None:
         if self.cache is None or self.cache.capacity != capacity:
@@ -57,6 +62,7 @@ class ModelDrafter:
     def _catch_up(self, context: list[int]):
         """The first draft step: the cache holds rows for a prefix of the context; the rest
         (1 or 2 tokens, more after lookup drafts) goes in with it."""
+        self.caught_up = len(context) - self.cache.length
         return self.choice.run(self.backend, self.cache, context[self.cache.length:], 1)
 
     def _next(self, token: int):
@@ -97,6 +103,7 @@ class FeatureDrafter(ModelDrafter):
 
     def _catch_up(self, context: list[int]):
         first, last = self.cache.length, len(context) - 1
+        self.caught_up = last - first
         rows = self.backend.forward(self.cache, context[first + 1:last + 1], 1,
                                     self.target_features[first:last])
         self.exact_rows = self.cache.length
@@ -119,6 +126,7 @@ class PromptLookupDrafter:
 
     name = "prompt-lookup"
     needs_features = False
+    caught_up = 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
@@ -162,6 +170,7 @@ class LookupThenModelDrafter:
     def __init__(self, model: ModelDrafter):
         self.model = model
         self.lookup = PromptLookupDrafter(min_ngram=2)
+        self.lookup_drafted = False
 
     @property
     def calls(self) -> int:
@@ -170,6 +179,10 @@ class LookupThenModelDrafter:
     @property
     def needs_features(self) -> bool:
         return self.model.needs_features
+
+    @property
+    def caught_up(self) -> int:
+        return 0 if self.lookup_drafted else self.model.caught_up
 
     def observe(self, features: np.ndarray, start: int) -> None:
         self.model.observe(features, start)
@@ -180,6 +193,7 @@ class LookupThenModelDrafter:
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
         drafts, q = self.lookup.propose(context, k, sampling, rng)
+        self.lookup_drafted = bool(drafts)
         if drafts:
             return drafts, q
         return self.model.propose(context, k, sampling, rng, threshold)

@@ -194,8 +194,8 @@ class Generator:
         with clock.time("sampling"):
             token = choice.pick(rows, sampling, rng)
         clock.model_start = self._model_seconds()
-        context = [*prompt, token]
-        yield [token]
+        context, new = [*prompt, token], [token]
+        yield new
         generated = 1
         while generated < max_new:
             # Never draft past max_new_tokens: the last slot is the target's own token.
@@ -217,8 +217,11 @@ class Generator:
             with clock.time("sampling"):
                 n, token = choice.verify(rows, drafts, q, sampling, rng)
             clock.record_step(len(drafts), n)
+            # A draft that took in more than the last step's tokens was catching up: not
+            # what a draft step costs (drafters.py), so it does not feed d.
+            steady = draft_calls and drafter.caught_up <= len(new)
             history.observe(len(drafts), n, clock.last["target"] + clock.last["sampling"],
-                            clock.last["draft"], draft_calls)
+                            clock.last["draft"], draft_calls if steady else 0)
             # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
             cache.rollback(len(context) + n)
             if drafter:

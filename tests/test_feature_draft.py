@@ -65,6 +65,27 @@ def test_greedy_speculative_equals_plain(feature_bundle, drafter, k):
     assert drafted > 0
 
 
+def test_auto_prices_a_draft_step_without_its_catch_up(feature_bundle, monkeypatch):
+    """The feature draft's first call takes in the whole prompt (and after steps at K = 0,
+    every token it missed): a one-off that, priced as a draft step, made auto's d several
+    times too high and kept K at 0. Only steps whose draft kept pace feed d."""
+    from specedge.runtime.draft_length import StepHistory
+
+    seen = []
+    real = StepHistory.observe
+
+    def observe(self, drafted, accepted, seconds, draft_seconds=0.0, draft_calls=0):
+        seen.append((drafted, draft_calls))
+        real(self, drafted, accepted, seconds, draft_seconds, draft_calls)
+
+    monkeypatch.setattr(StepHistory, "observe", observe)
+    gen = Generator.from_bundle(feature_bundle[0])
+    gen.generate("the cat sat on the mat", raw=True, max_new_tokens=24, draft_tokens=2)
+    assert seen[0][0] == 2 and seen[0][1] == 0      # the prompt's catch-up
+    steady = [calls for drafted, calls in seen[1:] if drafted]
+    assert len(steady) >= 5 and all(calls > 0 for calls in steady)
+
+
 def test_incremental_drafts_equal_drafts_from_scratch(feature_bundle):
     """After a generation with many rejections, the drafter's cache (rows rebuilt from the
     target's features after each step) proposes what a new drafter proposes from the
