@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install specedge, export SmolLM2-135M-Instruct (int8) with the distilled draft in drafts/
-# (once; cached), and answer a chat prompt with speculative decoding on ONNX Runtime CPU,
-# compared with plain decoding, with the draft model, and with lookup where the text repeats
-# itself and the draft model elsewhere (K chosen as it runs).
+# Install specedge, export SmolLM2-135M-Instruct (int8) with the distilled feature draft in
+# drafts/ (once; cached), and answer a chat prompt with speculative decoding on ONNX Runtime
+# CPU, compared with plain decoding, with the draft, and with lookup where the text repeats
+# itself and the draft elsewhere (K chosen as it runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${1:-"Explain in three sentences why the sky is blue."}
@@ -10,9 +10,10 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[export]"
-specedge export smollm2-135m --draft drafts/smollm2-135m --precision int8 \
-    --out bundles/smollm2-135m-int8 --verify
-specedge generate --bundle bundles/smollm2-135m-int8 --prompt "$PROMPT" --max-new-tokens 96 \
+BUNDLE=bundles/smollm2-135m-feature-int8
+specedge export smollm2-135m --draft drafts/smollm2-135m-feature --precision int8 \
+    --out "$BUNDLE" --verify
+specedge generate --bundle "$BUNDLE" --prompt "$PROMPT" --max-new-tokens 96 \
     --draft-tokens auto --compare
-specedge generate --bundle bundles/smollm2-135m-int8 --prompt "$PROMPT" --max-new-tokens 96 \
+specedge generate --bundle "$BUNDLE" --prompt "$PROMPT" --max-new-tokens 96 \
     --drafter lookup+model --draft-tokens auto --compare

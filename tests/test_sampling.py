@@ -206,6 +206,23 @@ def test_matches_hf_reference_with_ties_among_the_candidates():
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
 
 
+@pytest.mark.parametrize("top", [[0.6, 0.35],            # the narrow candidates decide
+                                 [0.5] + [0.45 / 300] * 300,  # too few: the wider bound
+                                 [0.9 / 200] * 200])      # none holds 1/128 of Z
+def test_top_p_candidate_bounds_from_narrow_to_wide(top):
+    # Top-p sorts the tokens above a bound and widens it until they cover top_p Z
+    # (sampling._nucleus): each of these rows stops at another bound, two with a tie of
+    # hundreds of tokens across the nucleus's edge; all must match the full sort.
+    vocab = 49152
+    probs = np.concatenate([top, np.full(vocab - len(top), (1 - sum(top)) / (vocab - len(top)))])
+    logits = np.log(probs)[np.random.default_rng(6).permutation(vocab)]
+    for temperature in (1.0, 0.7):
+        got = process_logits(logits, temperature, top_p=0.9)
+        want = hf_reference(logits, temperature, 0, 0.9)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
 def test_order_temperature_before_top_p():
     # probs [0.6, 0.3, 0.1], top_p 0.8. At T = 1 top-p keeps {0, 1}; after T = 0.25 the
     # distribution is [0.94, 0.059, 0.0007], cum = [0.0007, 0.06, 1] <= 0.2 -> only {0}.
