@@ -19,12 +19,13 @@ model that skipped steps (K = 0, a lookup draft, the prompt for a feature draft)
 takes in the tokens it missed, a one-off that, priced as a draft step, made d up to 3x too
 high and kept K at 0 (drafters.py, `caught_up`).
 
-The beta_i and the costs are measured over the recent steps of the same drafter and
-sampling mode, across generations (`StepHistory`): acceptance counts decay with age (a
-window of about HISTORY steps), so a new generation starts from what the last ones
+The beta_i and d are measured over the recent steps of the same source of drafts (a
+drafter's `source`: lookup+model has two, a lookup span and the model) and sampling mode,
+v(T) over every source of that mode, across generations (`StepHistory`): counts decay with
+age (a window of about HISTORY steps), so a new generation starts from what the last ones
 measured instead of from a prior, yet auto follows a change of task within a generation.
-Each beta_i is smoothed towards the rate pooled over positions, which is smoothed by a prior.
-A T not measured yet is estimated linearly from the T that are. A K is only measured where
+Each beta_i is smoothed towards the rate pooled over positions, which is smoothed by a
+prior. A T not measured yet is estimated linearly from the T that are. A K is only measured where
 it is used, so every PROBE_EVERY steps auto tries one K more, and half-way one K less, than
 its choice. K follows measured times, so with `auto` a seed fixes the distribution but not
 the exact text of a sampled generation.
@@ -66,11 +67,14 @@ def _smooth(old: float | None, new: float) -> float:
 
 
 class StepHistory:
-    """Recent steps of one drafter and sampling mode: running estimates of v(T) and d, in
-    seconds, and acceptance counts per draft position that decay with age."""
+    """Recent steps of one source of drafts and sampling mode: running estimates of v(T)
+    and d, in seconds, and acceptance counts per draft position that decay with age.
+    `verify` may be shared by the sources of one target and sampling mode: what a target
+    step costs does not depend on who drafted its tokens, and pooled it is measured more
+    often."""
 
-    def __init__(self) -> None:
-        self.verify: dict[int, float] = {}
+    def __init__(self, verify: dict[int, float] | None = None) -> None:
+        self.verify: dict[int, float] = {} if verify is None else verify
         self.draft: float | None = None
         self.tries = np.zeros(AUTO_MAX_K)
         self.accepts = np.zeros(AUTO_MAX_K)

@@ -9,6 +9,8 @@ are likely wasted. The doubtful token itself is kept: dropping a
 token because of its own value would make the proposal differ from q, and the acceptance
 test would no longer be exact when sampling.
 `rollback(n)` tells the drafter that only the first n context tokens are still valid.
+`source(context)` names what will propose the next draft (lookup+model has two sources):
+auto keeps the acceptance and costs of each source apart (draft_length.py).
 `calls` counts the drafter's forward calls, for the cost ratio c; `caught_up` is how many
 tokens the first of them took in during the last `propose` (0: no model call): more than
 the last step's new tokens means the draft had fallen behind (the prompt, steps at K = 0 or
@@ -46,6 +48,9 @@ class ModelDrafter:
             self.cache = self.backend.new_cache(capacity)
         self.cache.rollback(0)
         self.choice.run(self.backend, self.cache, prompt, 1)
+
+    def source(self, context: list[int]) -> str:
+        return self.name
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
@@ -136,10 +141,18 @@ class PromptLookupDrafter:
     def start(self, prompt: list[int], capacity: int) -> None:
         pass
 
+    def source(self, context: list[int]) -> str:
+        return self.name
+
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], None]:
         """q is one-hot (certain), so `threshold` never cuts a lookup draft short."""
         self.calls += 1
+        start = self.match(context)
+        return ([] if start is None else context[start:start + k]), None
+
+    def match(self, context: list[int]) -> int | None:
+        """Where the tokens that followed the latest match of the context's tail start."""
         tokens = np.asarray(context)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             # Windows over tokens[:-1] start at most len-1-n, so every match is followed by
@@ -147,9 +160,8 @@ class PromptLookupDrafter:
             windows = sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
-                start = hits[-1] + n
-                return tokens[start:start + k].tolist(), None
-        return [], None
+                return int(hits[-1] + n)
+        return None
 
     def rollback(self, length: int) -> None:
         pass
@@ -162,7 +174,9 @@ class LookupThenModelDrafter:
 
     Each step is verified against the q of the drafter that proposed it (one-hot for a
     lookup), so the output stays exact. The model's cache skips the steps drafted by
-    lookup and catches up on the tokens it missed at its next draft.
+    lookup and catches up on the tokens it missed at its next draft. The two are separate
+    sources for auto: a lookup that matched two tokens is worth a long K (its later
+    positions are accepted 0.8-0.9 of the time), the model K = 1 or none.
     """
 
     name = "lookup+model"
@@ -171,6 +185,7 @@ class LookupThenModelDrafter:
         self.model = model
         self.lookup = PromptLookupDrafter(min_ngram=2)
         self.lookup_drafted = False
+        self._match: tuple[int, int | None] = (-1, None)  # (context length, match start)
 
     @property
     def calls(self) -> int:
@@ -189,13 +204,26 @@ class LookupThenModelDrafter:
 
     def start(self, prompt: list[int], capacity: int) -> None:
         self.model.start(prompt, capacity)
+        self._match = (-1, None)
+
+    def _lookup(self, context: list[int]) -> int | None:
+        """The lookup's match for this context, found once per step (the context only
+        changes between steps, and always in length)."""
+        if self._match[0] != len(context):
+            self._match = (len(context), self.lookup.match(context))
+        return self._match[1]
+
+    def source(self, context: list[int]) -> str:
+        lookup = self._lookup(context) is not None
+        return f"{self.name}/{'lookup' if lookup else self.model.name}"
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
-        drafts, q = self.lookup.propose(context, k, sampling, rng)
-        self.lookup_drafted = bool(drafts)
-        if drafts:
-            return drafts, q
+        start = self._lookup(context)
+        self.lookup_drafted = start is not None
+        if start is not None:
+            self.lookup.calls += 1
+            return context[start:start + k], None
         return self.model.propose(context, k, sampling, rng, threshold)
 
     def rollback(self, length: int) -> None:

@@ -59,8 +59,10 @@ class Generator:
             self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
         self._choice = choice_for(target)
         # What recent steps cost and accepted, for `auto`, kept across generations, per
-        # (drafter, greedy): drafts, and the choice of tokens from K + 1 rows, differ.
+        # (source of the draft, greedy): drafts, and the choice of tokens from K + 1 rows,
+        # differ (drafters.py, `source`).
         self._history: dict[tuple[str, bool], StepHistory] = {}
+        self._verify_costs: dict[bool, dict[int, float]] = {}  # v(T) per greedy, shared
 
     @classmethod
     def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
@@ -183,8 +185,6 @@ class Generator:
         cache.rollback(0)
 
         choice = self._choice
-        history = self._history.setdefault(
-            (drafter.name if drafter else "none", sampling.greedy), StepHistory())
         with clock.time("prefill"):
             rows = choice.run(self.target, cache, prompt, 1)
             if drafter:
@@ -198,6 +198,11 @@ class Generator:
         yield new
         generated = 1
         while generated < max_new:
+            source = drafter.source(context) if drafter else "none"
+            history = self._history.get((source, sampling.greedy))
+            if history is None:
+                history = self._history[source, sampling.greedy] = StepHistory(
+                    self._verify_costs.setdefault(sampling.greedy, {}))
             # Never draft past max_new_tokens: the last slot is the target's own token.
             k = min(auto_k(history, k_max) if auto else k_max, max_new - generated - 1)
             drafts, q, draft_calls = [], None, 0

@@ -182,7 +182,10 @@ def test_lookup_then_model_uses_lookup_only_for_matches_of_two_tokens_or_more():
     from specedge.runtime.drafters import LookupThenModelDrafter
 
     class FakeModel:
-        calls = 0
+        name, calls = "model", 0
+
+        def start(self, prompt, capacity):
+            pass
 
         def propose(self, context, k, sampling, rng, threshold=0.0):
             self.calls += 1
@@ -190,11 +193,35 @@ def test_lookup_then_model_uses_lookup_only_for_matches_of_two_tokens_or_more():
 
     d = LookupThenModelDrafter(FakeModel())
     rng = np.random.default_rng(0)
-    assert d.propose([5, 6, 7, 8, 1, 5, 6], 2, Sampling(), rng) == ([7, 8], None)
+    context = [5, 6, 7, 8, 1, 5, 6]
+    assert d.source(context) == "lookup+model/lookup"   # auto's history for this step
+    assert d.propose(context, 2, Sampling(), rng) == ([7, 8], None)
     assert d.calls == 1
     # Only a one-token match ("6"): the model drafts, with its own q.
-    assert d.propose([5, 6, 7, 8, 1, 6], 2, Sampling(), rng) == ([99, 99], "q rows")
-    assert d.calls == 3 and d.model.calls == 1
+    context = [5, 6, 7, 8, 1, 6]
+    assert d.source(context) == "lookup+model/model"
+    assert d.propose(context, 2, Sampling(), rng) == ([99, 99], "q rows")
+    assert d.calls == 2 and d.model.calls == 1
+    # A new generation whose context has the last one's length: the match is found anew.
+    d.start([1, 2, 3], 64)
+    assert d.source([1, 2, 3, 4, 1, 2]) == "lookup+model/lookup"
+
+
+def test_auto_keeps_lookup_and_model_drafts_apart(gen):
+    """A lookup that matched two tokens and the draft model are accepted at different
+    rates per position: auto measures them as two sources, with one v(T) (the target's
+    cost does not depend on who drafted), and the tokens stay exact."""
+    prompt = "the cat sat on the mat and the cat sat on the"
+    plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
+    gen._history.clear()
+    spec = gen.generate(prompt, raw=True, max_new_tokens=40, drafter="lookup+model",
+                        draft_tokens="auto")
+    assert spec.token_ids == plain.token_ids
+    lookup = gen._history[("lookup+model/lookup", True)]
+    model = gen._history[("lookup+model/model", True)]
+    assert lookup.steps > 0 and model.steps > 0
+    assert lookup.steps + model.steps == spec.stats["target_calls"]
+    assert lookup.verify is model.verify and set(lookup.verify) >= {1, 2}
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_last_match():
