@@ -25,10 +25,10 @@ v(T) over every source of that mode, across generations (`StepHistory`): counts 
 age (a window of about HISTORY steps), so a new generation starts from what the last ones
 measured instead of from a prior, yet auto follows a change of task within a generation.
 Each beta_i is smoothed towards the rate pooled over positions, which is smoothed by a
-prior. A T not measured yet is estimated linearly from the T that are. A K is only measured where
-it is used, so every PROBE_EVERY steps auto tries one K more, and half-way one K less, than
-its choice. K follows measured times, so with `auto` a seed fixes the distribution but not
-the exact text of a sampled generation.
+prior. A T not measured yet is estimated linearly from the T that are. A K is only
+measured where it is used, so every PROBE_EVERY steps auto tries one K more, and half-way
+one K less, than its choice. K follows measured times, so with `auto` a seed fixes the
+distribution but not the exact text of a sampled generation.
 """
 
 from __future__ import annotations
