@@ -34,6 +34,10 @@ def configurations(ks: list[int], has_draft: bool) -> list[tuple[str, dict]]:
         configs.append((f"{mode}/prompt-lookup auto",
                         {**sampling, "drafter": "prompt-lookup", "draft_tokens": "auto"}))
         if has_draft:
+            # auto against a fixed K of the same drafter (the first of --ks; K = 1 is the
+            # best fixed K of the shipped drafts).
+            configs.append((f"{mode}/lookup+model K={ks[0]}",
+                            {**sampling, "drafter": "lookup+model", "draft_tokens": ks[0]}))
             configs.append((f"{mode}/lookup+model auto",
                             {**sampling, "drafter": "lookup+model", "draft_tokens": "auto"}))
     return configs

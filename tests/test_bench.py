@@ -26,9 +26,11 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
     configs = results["configurations"]
     assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
                             "greedy/draft auto", "greedy/prompt-lookup K=4",
-                            "greedy/prompt-lookup auto", "greedy/lookup+model auto",
-                            "sampled/plain", "sampled/draft K=2", "sampled/draft auto",
-                            "sampled/prompt-lookup auto", "sampled/lookup+model auto"}
+                            "greedy/prompt-lookup auto", "greedy/lookup+model K=2",
+                            "greedy/lookup+model auto", "sampled/plain",
+                            "sampled/draft K=2", "sampled/draft auto",
+                            "sampled/prompt-lookup auto", "sampled/lookup+model K=2",
+                            "sampled/lookup+model auto"}
     assert configs["greedy/plain"]["speedup"] == 1.0
     for row in configs.values():
         assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
