@@ -28,7 +28,9 @@ def add_generate(sub) -> None:
                    help="stop drafting when the draft's probability for its token is below "
                    "this (0 = off)")
     p.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
-    p.add_argument("--drafter", choices=DRAFTERS, default="model")
+    p.add_argument("--drafter", choices=DRAFTERS, default="lookup+model",
+                   help="lookup+model (default): prompt lookup where the context repeats, "
+                   "the draft model elsewhere")
     p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
                    help="ort-cpu (default); ort-cuda and tensorrt need a GPU (tensorrt: "
                    "engines from `specedge build`); host-emulated runs the GPU backends' "

@@ -92,7 +92,7 @@ class Generator:
                messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = 0, draft_tokens: int | str | None = None,
-               use_draft: bool = True, drafter: str = "model", draft_threshold: float = 0.0,
+               use_draft: bool = True, drafter: str = "lookup+model", draft_threshold: float = 0.0,
                stop: str | Sequence[str] | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install specedge, export SmolLM2-135M-Instruct (int8) with the distilled feature draft in
 # drafts/ (once; cached), and answer a chat prompt with speculative decoding on ONNX Runtime
-# CPU, compared with plain decoding, with the draft, and with lookup where the text repeats
-# itself and the draft elsewhere (K chosen as it runs).
+# CPU, compared with plain decoding: with the defaults (lookup where the text repeats itself,
+# the draft elsewhere, K chosen as it runs), then with the draft alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${1:-"Explain in three sentences why the sky is blue."}
@@ -13,7 +13,6 @@ python -m pip install --quiet -e ".[export]"
 BUNDLE=bundles/smollm2-135m-feature-int8
 specedge export smollm2-135m --draft drafts/smollm2-135m-feature --precision int8 \
     --out "$BUNDLE" --verify
-specedge generate --bundle "$BUNDLE" --prompt "$PROMPT" --max-new-tokens 96 \
-    --draft-tokens auto --compare
-specedge generate --bundle "$BUNDLE" --prompt "$PROMPT" --max-new-tokens 96 \
-    --drafter lookup+model --draft-tokens auto --compare
+specedge generate --bundle "$BUNDLE" --prompt "$PROMPT" --max-new-tokens 96 --compare
+specedge generate --bundle "$BUNDLE" --prompt "$PROMPT" --max-new-tokens 96 --compare \
+    --drafter model

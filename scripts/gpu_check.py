@@ -148,8 +148,8 @@ def compare_generators(ref, dev, sampled_draws: int = 0) -> dict:
 
     cases, equal, speeds = 0, 0, []
     for prompt in TINY_PROMPTS:
-        for kwargs in (dict(use_draft=False), dict(draft_tokens=3),
-                       dict(draft_tokens=2, drafter="prompt-lookup")):
+        for kwargs in (dict(use_draft=False), dict(draft_tokens=3, drafter="model"),
+                       dict(draft_tokens=3), dict(draft_tokens=2, drafter="prompt-lookup")):
             a = ref.generate(prompt, raw=True, max_new_tokens=32, **kwargs)
             b = dev.generate(prompt, raw=True, max_new_tokens=32, **kwargs)
             cases += 1
@@ -158,7 +158,7 @@ def compare_generators(ref, dev, sampled_draws: int = 0) -> dict:
     report = {"status": "pass" if equal == cases else "fail", "greedy_cases": cases,
               "identical_to_ort_cpu": equal, "tokens_per_second": speeds}
     if sampled_draws:
-        kwargs = dict(draft_tokens=3, temperature=0.8, top_p=0.9)
+        kwargs = dict(draft_tokens=3, temperature=0.8, top_p=0.9, drafter="model")
         stat, pvalue, _ = two_sample_test(first_two_tokens(ref, sampled_draws, 0, **kwargs),
                                           first_two_tokens(dev, sampled_draws, 10_000,
                                                            **kwargs))

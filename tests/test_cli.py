@@ -86,7 +86,7 @@ def test_generate_json_through_a_subprocess(tiny_bundle, api):
     assert out["text"] == expected.text
     assert stats["stop_reason"] == expected.stop_reason
     assert stats["tokens_generated"] == len(out["token_ids"])
-    assert stats["drafter"] == "model"
+    assert stats["drafter"] == "lookup+model"   # the default drafter
     assert stats["draft_tokens_k"] == "auto"   # the greedy default
     assert 0 <= stats["acceptance_rate"] <= 1
     assert stats["tokens_per_target_call"] >= 1
@@ -100,8 +100,8 @@ def test_generate_streams_text_then_a_summary(capsys, tiny_bundle, api):
     result = api.generate(PROMPT, max_new_tokens=10)
     assert out == result.text + "\n"
     assert f"{len(result.token_ids)} tokens" in err
-    for word in ("tok/s", f"stop: {result.stop_reason}", "drafter model K=auto", "acceptance",
-                 "tokens per target call", "c=", "ideal speedup"):
+    for word in ("tok/s", f"stop: {result.stop_reason}", "drafter lookup+model K=auto",
+                 "acceptance", "tokens per target call", "c=", "ideal speedup"):
         assert word in err, err
     assert "Traceback" not in err
 
@@ -164,7 +164,8 @@ def test_generate_prompt_lookup(capsys, tiny_bundle, api):
 
 def test_generate_self_draft_accepts_everything(capsys, tiny_self_draft_bundle):
     code, out, err = call_main(capsys, "generate", "--bundle", tiny_self_draft_bundle,
-                               "--prompt", PROMPT, "--json", "--max-new-tokens", 16)
+                               "--prompt", PROMPT, "--json", "--max-new-tokens", 16,
+                               "--drafter", "model")
     assert code == 0, err
     stats = json.loads(out)["stats"]
     assert stats["acceptance_rate"] == 1.0

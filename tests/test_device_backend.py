@@ -174,8 +174,9 @@ def test_a_step_uploads_once_executes_copies_new_rows_and_downloads_logits(bundl
 
 @pytest.mark.parametrize("kwargs", [
     dict(use_draft=False),
-    dict(draft_tokens=3),
-    dict(draft_tokens=4, draft_threshold=0.3),
+    dict(draft_tokens=3, drafter="model"),
+    dict(draft_tokens=4, draft_threshold=0.3, drafter="model"),
+    dict(draft_tokens=3),                      # the default drafter, lookup+model
     dict(draft_tokens=2, drafter="prompt-lookup"),
 ])
 def test_greedy_on_host_emulated_equals_ort_cpu(tiny_bundle, kwargs):
@@ -193,7 +194,7 @@ def test_greedy_on_host_emulated_equals_ort_cpu(tiny_bundle, kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(draft_tokens=3, temperature=0.8, top_p=0.9),
+    dict(draft_tokens=3, temperature=0.8, top_p=0.9, drafter="model"),
     dict(draft_tokens=2, temperature=1.0, top_k=20, drafter="prompt-lookup"),
 ])
 def test_device_sampling_path_samples_the_target_distribution(tiny_bundle, kwargs):
@@ -211,7 +212,7 @@ def test_more_draft_tokens_than_the_device_buffers_hold_is_a_clear_error(tiny_bu
     dev = Generator.from_bundle(tiny_bundle, backend="host-emulated")
     with pytest.raises(ValueError, match="draft fewer tokens"):
         dev.generate(prompt_ids=[1, 2, 3], max_new_tokens=40, draft_tokens=20,
-                     temperature=1.0)
+                     temperature=1.0, drafter="model")
 
 
 def test_missing_tensorrt_names_the_package_and_the_working_backend(bundle, monkeypatch):

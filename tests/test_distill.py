@@ -118,7 +118,8 @@ def test_greedy_speculative_equals_plain(distilled_bundle):
     gen = Generator.from_bundle(distilled_bundle[0])
     for prompt in ("hello world", "the cat sat", "why?"):
         plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
-        spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=4)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=4,
+                            drafter="model")
         assert spec.token_ids == plain.token_ids
 
 
@@ -128,7 +129,8 @@ def test_sampling_with_a_partial_head_is_exact(distilled_bundle):
     so the residual must supply them."""
     gen = Generator.from_bundle(distilled_bundle[0])
     plain = first_two_tokens(gen, 1500, 0, use_draft=False, temperature=1.0)
-    spec = first_two_tokens(gen, 1500, 10_000, draft_tokens=2, temperature=1.0)
+    spec = first_two_tokens(gen, 1500, 10_000, draft_tokens=2, temperature=1.0,
+                            drafter="model")
     assert two_sample_pvalue(plain, spec) > 0.001
 
 

@@ -80,7 +80,8 @@ def test_auto_prices_a_draft_step_without_its_catch_up(feature_bundle, monkeypat
 
     monkeypatch.setattr(StepHistory, "observe", observe)
     gen = Generator.from_bundle(feature_bundle[0])
-    gen.generate("the cat sat on the mat", raw=True, max_new_tokens=24, draft_tokens=2)
+    gen.generate("the cat sat on the mat", raw=True, max_new_tokens=24, draft_tokens=2,
+                 drafter="model")
     assert seen[0][0] == 2 and seen[0][1] == 0      # the prompt's catch-up
     steady = [calls for drafted, calls in seen[1:] if drafted]
     assert len(steady) >= 5 and all(calls > 0 for calls in steady)
@@ -94,7 +95,7 @@ def test_incremental_drafts_equal_drafts_from_scratch(feature_bundle):
     prompt = [1, 10, 7, 12]
     for seed in range(20):  # a generation that ends at max_new_tokens, not inside a chunk
         out = gen.generate(prompt_ids=prompt, max_new_tokens=30, draft_tokens=3,
-                           temperature=1.0, seed=seed)
+                           drafter="model", temperature=1.0, seed=seed)
         if out.stop_reason == "max_new_tokens":
             break
     assert out.stop_reason == "max_new_tokens"
@@ -132,7 +133,7 @@ def test_sampling_is_exact(feature_bundle):
         return counts, drafted
 
     plain, _ = first_three(0, use_draft=False)
-    spec, drafted = first_three(10_000, draft_tokens=2)
+    spec, drafted = first_three(10_000, draft_tokens=2, drafter="model")
     assert drafted >= 2 * 1500
     assert two_sample_pvalue(plain, spec) > 0.001
 

@@ -159,7 +159,8 @@ def test_fused_feature_draft_verifies_and_stays_exact(fused_feature_bundle):
     for prompt in ("hello world", "the cat sat", "why?"):
         plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
         for k in (1, 3):
-            spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=k)
+            spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=k,
+                                drafter="model")
             assert spec.token_ids == plain.token_ids
             assert spec.stats["draft_calls"] > 0
 

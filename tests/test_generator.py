@@ -54,7 +54,8 @@ def test_host_cache_grows_between_steps_with_the_same_tokens(gen, monkeypatch):
 
 
 def test_draft_equal_to_target_accepts_everything(self_gen):
-    out = self_gen.generate(prompt_ids=[1, 5, 6], max_new_tokens=41, draft_tokens=4)
+    out = self_gen.generate(prompt_ids=[1, 5, 6], max_new_tokens=41, draft_tokens=4,
+                            drafter="model")
     s = out.stats
     assert s["stop_reason"] == "max_new_tokens"
     assert s["acceptance_rate"] == 1.0
@@ -65,14 +66,16 @@ def test_draft_equal_to_target_accepts_everything(self_gen):
 def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
     """p == q: u * q < p holds for every u in [0, 1) up to float rounding between calls."""
     out = self_gen.generate(prompt_ids=[1, 5, 6], max_new_tokens=40, draft_tokens=4,
-                            temperature=1.0, seed=3)
+                            drafter="model", temperature=1.0, seed=3)
     assert out.stats["drafted_tokens"] > 20
     assert out.stats["acceptance_rate"] > 0.97
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0),
-                                      dict(temperature=0.7, top_k=8, top_p=0.9),
-                                      dict(temperature=1.0, draft_threshold=0.3),
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, drafter="model"),
+                                      dict(temperature=0.7, top_k=8, top_p=0.9,
+                                           drafter="model"),
+                                      dict(temperature=1.0, draft_threshold=0.3,
+                                           drafter="model"),
                                       dict(temperature=1.0, drafter="lookup+model",
                                            prompt_ids=(1, 10, 7, 1, 10))])
 def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
@@ -161,7 +164,8 @@ def test_max_new_tokens_is_exact(gen):
 
 
 def test_stats_are_consistent(gen):
-    s = gen.generate("the cat sat", raw=True, max_new_tokens=50, draft_tokens=3).stats
+    s = gen.generate("the cat sat", raw=True, max_new_tokens=50, draft_tokens=3,
+                     drafter="model").stats
     for key in ("tokens_generated", "target_calls", "draft_calls", "acceptance_rate",
                 "acceptance_per_position", "tokens_per_target_call", "time_draft_s",
                 "time_target_s", "time_sampling_s", "time_other_s", "draft_cost_ratio_c",
@@ -327,7 +331,7 @@ def test_history_measures_interpolates_and_extrapolates_costs():
 def test_adaptive_drafting_stays_exact(gen, setting):
     for prompt in PROMPTS:
         plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
-        spec = gen.generate(prompt, raw=True, max_new_tokens=40, **setting)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=40, drafter="model", **setting)
         assert spec.token_ids == plain.token_ids
     s = spec.stats
     assert s["draft_calls"] >= s["drafted_tokens"]
@@ -405,7 +409,8 @@ def test_auto_falls_back_to_plain_decoding_when_no_draft_pays(gen, monkeypatch):
         history.verify, history.draft = dict(staged), 0.001
 
     monkeypatch.setattr(history, "observe", keep_staged_costs)
-    auto = gen.generate("the cat sat", raw=True, max_new_tokens=48, draft_tokens="auto")
+    auto = gen.generate("the cat sat", raw=True, max_new_tokens=48, draft_tokens="auto",
+                        drafter="model")
     assert auto.token_ids == plain.token_ids
     assert 1 <= auto.stats["drafted_tokens"] <= 47 // (PROBE_EVERY // 2) + 1
 

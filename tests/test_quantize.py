@@ -79,7 +79,8 @@ def test_speculative_is_exact_on_a_quantized_target(quantized):
     gen = Generator.from_bundle(out)
     for prompt in ("hello world", "the cat sat"):
         plain = gen.generate(prompt, raw=True, max_new_tokens=30, use_draft=False)
-        spec = gen.generate(prompt, raw=True, max_new_tokens=30, draft_tokens=3)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=30, draft_tokens=3,
+                            drafter="model")
         assert spec.token_ids == plain.token_ids
 
 

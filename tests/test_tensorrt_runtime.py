@@ -176,8 +176,8 @@ def trt_bundle(tiny_bundle, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kwargs", [
     dict(use_draft=False),
-    dict(draft_tokens=3),
-    dict(draft_tokens=4, temperature=0.8, top_p=0.9, seed=3),
+    dict(draft_tokens=3, drafter="model"),
+    dict(draft_tokens=4, temperature=0.8, top_p=0.9, seed=3, drafter="model"),
 ])
 def test_tensorrt_backend_reproduces_the_emulated_device(trt_bundle, kwargs):
     """Same logits and the same device-side choices as host-emulated: identical tokens,
