@@ -68,6 +68,21 @@ def _summary(stats: dict) -> str:
             f"c={stats['draft_cost_ratio_c']:.3f}, ideal speedup {stats['ideal_speedup']:.2f}x")
 
 
+def _same_tokens(spec: list[int], plain: list[int], manifest: dict) -> str:
+    """Greedy: whether speculative decoding gave plain decoding's tokens, and if not, why."""
+    if spec == plain:
+        return "; same tokens"
+    at = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(spec))
+    quantized = manifest.get("quantization") or {}
+    why = ("this bundle's quantized graphs are not batch invariant (a (K+1)-token "
+           "verification and one-token steps differ by up to "
+           f"{quantized.get('batch_max_logit_diff', 0):.2g} logits in the export's check), so a "
+           "close call can go either way; fp32 bundles give plain decoding's tokens"
+           if quantized.get("batch_invariant") is False
+           else "a near tie went the other way between a (K+1)-token call and one-token steps")
+    return f"; tokens differ from token {at}: {why}"
+
+
 def run_generate(args: argparse.Namespace) -> None:
     from .generator import Generator
 
@@ -92,11 +107,14 @@ def run_generate(args: argparse.Namespace) -> None:
         stats = gen.last_result.stats
         print(_summary(stats), file=sys.stderr)
         if args.compare:
-            plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False}).stats
-            ratio = stats["decode_tokens_per_second"] / max(plain["decode_tokens_per_second"],
-                                                            1e-9)
-            print(f"plain decoding: {plain['decode_tokens_per_second']:.1f} tok/s; "
-                  f"speculative / plain = {ratio:.2f}x", file=sys.stderr)
+            spec = gen.last_result
+            plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False})
+            ratio = stats["decode_tokens_per_second"] / max(
+                plain.stats["decode_tokens_per_second"], 1e-9)
+            print(f"plain decoding: {plain.stats['decode_tokens_per_second']:.1f} tok/s; "
+                  f"speculative / plain = {ratio:.2f}x"
+                  + (_same_tokens(spec.token_ids, plain.token_ids, gen.bundle.manifest)
+                     if args.temperature == 0 else ""), file=sys.stderr)
     except (ValueError, SpecEdgeError) as e:
         _error(str(e))
     except KeyboardInterrupt:

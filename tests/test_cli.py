@@ -140,6 +140,19 @@ def test_generate_compare_streaming(capsys, tiny_bundle):
     assert code == 0, err
     assert out.strip()
     assert "plain decoding:" in err and "speculative / plain =" in err, err
+    assert "; same tokens" in err, err   # greedy on an fp32 bundle: plain decoding's tokens
+
+
+def test_compare_says_where_and_why_greedy_tokens_differ():
+    from specedge.runtime.cli import _same_tokens
+
+    assert _same_tokens([1, 2, 3], [1, 2, 3], {}) == "; same tokens"
+    int8 = {"quantization": {"batch_invariant": False, "batch_max_logit_diff": 0.98}}
+    said = _same_tokens([1, 2, 5, 6], [1, 2, 3], int8)
+    assert said.startswith("; tokens differ from token 2: ")
+    assert "not batch invariant" in said and "0.98 logits" in said
+    assert "near tie" in _same_tokens([1, 4], [1, 2], {})
+    assert "token 2:" in _same_tokens([1, 2], [1, 2, 3], {})   # one stopped earlier
 
 
 def test_generate_compare_json(capsys, tiny_bundle):
