@@ -25,9 +25,10 @@ def configurations(ks: list[int], has_draft: bool) -> list[tuple[str, dict]]:
     for mode, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
         configs.append((f"{mode}/plain", {**sampling, "use_draft": False}))
         if has_draft:
+            model = {**sampling, "drafter": "model"}
             for k in ks if mode == "greedy" else ks[:1]:
-                configs.append((f"{mode}/draft K={k}", {**sampling, "draft_tokens": k}))
-            configs.append((f"{mode}/draft auto", {**sampling, "draft_tokens": "auto"}))
+                configs.append((f"{mode}/draft K={k}", {**model, "draft_tokens": k}))
+            configs.append((f"{mode}/draft auto", {**model, "draft_tokens": "auto"}))
         if mode == "greedy":
             configs.append((f"{mode}/prompt-lookup K=4",
                             {**sampling, "drafter": "prompt-lookup", "draft_tokens": 4}))

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specedge.bench.configs import aggregate, load_prompts
+from specedge.bench.configs import aggregate, configurations, load_prompts
 from specedge.cli import main
 
 
@@ -16,6 +16,15 @@ def test_prompt_set_covers_the_three_tasks():
     cats = {p["category"] for p in prompts}
     assert len(prompts) >= 30 and cats == {"chat", "summarize", "code"}
     assert all(p["prompt"].strip() for p in prompts)
+
+
+def test_every_configuration_names_its_drafter():
+    """The generator's default drafter is lookup+model: the draft model's rows must ask for
+    it by name, or they would measure the default."""
+    for name, kwargs in configurations([1, 2], has_draft=True):
+        if kwargs.get("use_draft", True):
+            drafter = name.split("/")[1].rsplit(" ", 1)[0]
+            assert kwargs["drafter"] == {"draft": "model"}.get(drafter, drafter), name
 
 
 def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
