@@ -72,7 +72,8 @@ def _same_tokens(spec: list[int], plain: list[int], manifest: dict) -> str:
     """Greedy: whether speculative decoding gave plain decoding's tokens, and if not, why."""
     if spec == plain:
         return "; same tokens"
-    at = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(spec))
+    at = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
+              min(len(spec), len(plain)))
     quantized = manifest.get("quantization") or {}
     why = ("this bundle's quantized graphs are not batch invariant (a (K+1)-token "
            "verification and one-token steps differ by up to "

@@ -299,7 +299,8 @@ def _nucleus(vals: np.ndarray, vocab: int, top_p: float, z: float,
     they never split a tie.
     """
     t = top_p * z
-    bounds = (np.log(NARROW * z), np.log((1.0 - top_p) * z / vocab), -np.inf)
+    wide = np.log((1.0 - top_p) * z / vocab) if top_p < 1.0 else -np.inf
+    bounds = (np.log(NARROW * z), wide, -np.inf)
     for i, bound in enumerate(bounds):
         cand = np.flatnonzero(vals >= bound - 2 * tol) if i < 2 else np.arange(vals.size)
         if not cand.size:

@@ -153,6 +153,7 @@ def test_compare_says_where_and_why_greedy_tokens_differ():
     assert "not batch invariant" in said and "0.98 logits" in said
     assert "near tie" in _same_tokens([1, 4], [1, 2], {})
     assert "token 2:" in _same_tokens([1, 2], [1, 2, 3], {})   # one stopped earlier
+    assert "token 2:" in _same_tokens([1, 2, 3], [1, 2], {})
 
 
 def test_generate_compare_json(capsys, tiny_bundle):
