@@ -16,8 +16,8 @@ scripts/bench_verify_cost.py), so auto measures v per T instead of assuming it f
 is plain decoding: auto falls back to it when no K pays, and a poor draft then costs only
 the probes below. d is measured on steps whose draft kept pace with the loop: a draft
 model that skipped steps (K = 0, a lookup draft, the prompt for a feature draft) first
-takes in the tokens it missed, a one-off that, priced as a draft step, made d up to 3x too
-high and kept K at 0 (drafters.py, `caught_up`).
+takes in the tokens it missed, a one-off that, priced as a draft step, made d up to 2.6x
+too high and kept K at 0 (drafters.py, `caught_up`).
 
 The beta_i and d are measured over the recent steps of the same source of drafts (a
 drafter's `source`: lookup+model has two, a lookup span and the model) and sampling mode,

@@ -67,8 +67,8 @@ def test_greedy_speculative_equals_plain(feature_bundle, drafter, k):
 
 def test_auto_prices_a_draft_step_without_its_catch_up(feature_bundle, monkeypatch):
     """The feature draft's first call takes in the whole prompt (and after steps at K = 0,
-    every token it missed): a one-off that, priced as a draft step, made auto's d several
-    times too high and kept K at 0. Only steps whose draft kept pace feed d."""
+    every token it missed): a one-off that, priced as a draft step, made auto's d up to
+    2.6 times too high (SmolLM2) and kept K at 0. Only steps whose draft kept pace feed d."""
     from specedge.runtime.draft_length import StepHistory
 
     seen = []
