@@ -184,7 +184,6 @@ class LookupThenModelDrafter:
     def __init__(self, model: ModelDrafter):
         self.model = model
         self.lookup = PromptLookupDrafter(min_ngram=2)
-        self.lookup_drafted = False
         self._match: tuple[int, int | None] = (-1, None)  # (context length, match start)
 
     @property
@@ -197,7 +196,8 @@ class LookupThenModelDrafter:
 
     @property
     def caught_up(self) -> int:
-        return 0 if self.lookup_drafted else self.model.caught_up
+        """0 on a step the lookup drafted (this step's match), else the model's."""
+        return 0 if self._match[1] is not None else self.model.caught_up
 
     def observe(self, features: np.ndarray, start: int) -> None:
         self.model.observe(features, start)
@@ -220,7 +220,6 @@ class LookupThenModelDrafter:
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
         start = self._lookup(context)
-        self.lookup_drafted = start is not None
         if start is not None:
             self.lookup.calls += 1
             return context[start:start + k], None
