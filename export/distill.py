@@ -171,9 +171,10 @@ class DistillConfig:
     top_k: int = 32
     kind: str = "model"  # "model": layers on tokens; "feature": export/feature_draft.py
     varied_prompts: int = 0
+    more_prompts: int = 0  # the varied set's next prompts, answered after the first ones
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
-                   "seed", "top_k", "varied_prompts")
+                   "seed", "top_k", "varied_prompts", "more_prompts")
 
     def data_settings(self) -> dict:
         """What the generated data depends on; the rest only shapes training."""
@@ -237,13 +238,19 @@ def generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
 
 def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict]:
     """Generate (or reload) the on-policy data, one resumable shard per batch: the template
-    prompts, then the varied ones (whose passages are the template answers)."""
+    prompts, then the varied ones (whose passages are the template answers), then
+    `more_prompts` further varied ones, in shards of their own, so that data made without
+    them is kept when they are added (see `distill`)."""
     data = _answers(model, tokenizer, cfg, work, training_prompts(cfg.prompts, cfg.seed), 0)
-    if cfg.varied_prompts:
+    first = -(-cfg.prompts // cfg.generate_batch)
+    if cfg.varied_prompts or cfg.more_prompts:
         greedy = data[:len(data) - int(round(cfg.sampled_fraction * len(data)))]
-        prompts = varied_prompts(cfg.varied_prompts, cfg.seed, passages_from(greedy, tokenizer))
-        first = -(-cfg.prompts // cfg.generate_batch)
-        data += _answers(model, tokenizer, cfg, work, prompts, first)
+        prompts = varied_prompts(cfg.varied_prompts + cfg.more_prompts, cfg.seed,
+                                 passages_from(greedy, tokenizer))
+        for chunk in (prompts[:cfg.varied_prompts], prompts[cfg.varied_prompts:]):
+            if chunk:
+                data += _answers(model, tokenizer, cfg, work, chunk, first)
+                first += -(-len(chunk) // cfg.generate_batch)
     return data
 
 
@@ -473,8 +480,9 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
 
     if cfg.layers < 1 or cfg.head_tokens < 1 or cfg.prompts < 1 or cfg.epochs < 1:
         raise ValueError("--layers, --head-tokens, --prompts and --epochs must be >= 1")
-    if cfg.varied_prompts < 0:
-        raise ValueError(f"--varied-prompts must be >= 0, got {cfg.varied_prompts}")
+    if cfg.varied_prompts < 0 or cfg.more_prompts < 0:
+        raise ValueError("--varied-prompts and --more-prompts must be >= 0, got "
+                         f"{cfg.varied_prompts} and {cfg.more_prompts}")
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
     out = Path(out)
@@ -482,10 +490,14 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     # Generated data is reused only for the same data settings; a training state only for
     # the same settings altogether (otherwise training starts over on the cached data).
+    # Data made without --more-prompts may gain them: their shards come last. A setting
+    # added since the data was made reads as its default, which is what that version did.
     data_path, run_path = work / "data-settings.json", work / "settings.json"
-    if data_path.is_file() and json.loads(data_path.read_text()) != cfg.data_settings():
-        raise ValueError(f"{work} holds data generated with other settings; use another "
-                         "--out or delete it")
+    if data_path.is_file():
+        made = {**DistillConfig().data_settings(), **json.loads(data_path.read_text())}
+        if made != cfg.data_settings() and made != {**cfg.data_settings(), "more_prompts": 0}:
+            raise ValueError(f"{work} holds data generated with other settings; use another "
+                             "--out or delete it")
     data_path.write_text(json.dumps(cfg.data_settings(), indent=1))
     if run_path.is_file() and json.loads(run_path.read_text()) != asdict(cfg):
         (work / "train.pt").unlink(missing_ok=True)

@@ -127,6 +127,9 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--varied-prompts", type=int, default=0,
                    help="more prompts: questions, passage summaries and code requests "
                    "(default 0)")
+    p.add_argument("--more-prompts", type=int, default=0,
+                   help="further varied prompts, answered after the others: adding them to "
+                   "a finished run keeps its data (default 0)")
     p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)

@@ -95,6 +95,30 @@ def test_rerun_with_other_data_settings_is_refused(distilled):
         distill(out, DistillConfig(**{**cfg.__dict__, "new_tokens": 99}))
 
 
+def test_more_prompts_keep_the_data_made_without_them(distilled, tmp_path):
+    """--more-prompts answers its prompts in shards after the others, so data made without
+    them stays; once they are made, another count would need other shards and is refused."""
+    import shutil
+
+    import torch
+
+    out, cfg, meta = distilled
+    copy = tmp_path / "draft"
+    shutil.copytree(out, copy)
+    shards = {p.name: p.stat().st_mtime_ns for p in (copy / "work").glob("data-*.pt")}
+    more = DistillConfig(**{**cfg.__dict__, "more_prompts": 20, "epochs": 1})
+    grown = distill(copy, more)
+    now = {p.name: p.stat().st_mtime_ns for p in (copy / "work").glob("data-*.pt")}
+    assert {k: now[k] for k in shards} == shards
+    added = sorted(set(now) - set(shards))
+    assert added == [f"data-{len(shards) + i:04d}.pt" for i in range(2)]  # 16 + 4 prompts
+    answers = [len(ex["top_ids"]) for name in added for ex in torch.load(copy / "work" / name)]
+    assert len(answers) == 20
+    assert grown["answer_tokens"] == meta["answer_tokens"] + sum(answers)
+    with pytest.raises(ValueError, match="data generated with other settings"):
+        distill(copy, DistillConfig(**{**more.__dict__, "more_prompts": 40}))
+
+
 def test_export_verifies_the_head_restricted_draft(distilled_bundle):
     _, manifest = distilled_bundle
     report = manifest["verify"]["draft"]
