@@ -125,7 +125,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=1200,
                    help="training prompts (default 1200)")
     p.add_argument("--varied-prompts", type=int, default=0,
-                   help="more prompts: questions, passage summaries and code requests "
+                   help="prompts of other shapes: questions, passage summaries and code requests "
                    "(default 0)")
     p.add_argument("--more-prompts", type=int, default=0,
                    help="further varied prompts, answered after the others: adding them to "
