@@ -172,7 +172,6 @@ class DistillConfig:
     kind: str = "model"  # "model": layers on tokens; "feature": export/feature_draft.py
     varied_prompts: int = 0
     more_prompts: int = 0  # the varied set's next prompts, answered after the first ones
-    feature_noise: float = 0.0  # feature drafts: U(-a, a) on the features read in training
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
                    "seed", "top_k", "varied_prompts", "more_prompts")
@@ -360,11 +359,11 @@ def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tenso
     return total / count, agree / count
 
 
-def draft_loss(draft, head_ids: torch.Tensor, batch: list[dict], feature_noise: float = 0.0
+def draft_loss(draft, head_ids: torch.Tensor, batch: list[dict]
                ) -> tuple[torch.Tensor, float]:
     """Training loss and top-1 agreement of either kind of draft on a batch."""
     if isinstance(draft, FeatureDraft):
-        return feature_loss(draft, batch, feature_noise)
+        return feature_loss(draft, batch)
     return _loss(draft, head_ids, batch)
 
 
@@ -396,8 +395,7 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
                file=sys.stderr)
     draft.train()
     while step < total_steps:
-        loss, agree = draft_loss(draft, head_ids, [train_set[i] for i in orders[step]],
-                                 cfg.feature_noise)
+        loss, agree = draft_loss(draft, head_ids, [train_set[i] for i in orders[step]])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -487,9 +485,6 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
                          f"{cfg.varied_prompts} and {cfg.more_prompts}")
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
-    if cfg.feature_noise < 0 or (cfg.feature_noise and cfg.kind != "feature"):
-        raise ValueError("--feature-noise must be >= 0 and is for --kind feature, got "
-                         f"{cfg.feature_noise} with --kind {cfg.kind}")
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)

@@ -118,8 +118,7 @@ class FeatureDraft(nn.Module):
         return _lm_head(self, _last_positions(x, logits_to_keep)), k, v, x
 
 
-def feature_loss(draft: FeatureDraft, batch: list[dict], noise: float = 0.0
-                 ) -> tuple[torch.Tensor, float]:
+def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, float]:
     """Distillation loss of a feature draft on a batch of target answers (export/distill.py).
 
     Pair r of an example is (f_r, x_{r+1}); its prediction f^_{r+1} is scored twice:
@@ -128,10 +127,7 @@ def feature_loss(draft: FeatureDraft, batch: list[dict], noise: float = 0.0
       answer positions (what acceptance depends on).
     A second pass feeds the first pass's predictions in place of the target's features (as
     in drafting, where step 2 onward reads f^), so the draft learns to read its own output
-    too. `noise` > 0 adds U(-noise, noise) to the target's features the first pass reads
-    (EAGLE's augmentation: drafting reads features a little off the training ones) while
-    the draft is in training mode. Returns the loss and the first pass's top-1 agreement
-    with the target.
+    too. Returns the loss and the first pass's top-1 agreement with the target.
     """
     from .distill import head_columns, top_k_cross_entropy
 
@@ -143,10 +139,7 @@ def feature_loss(draft: FeatureDraft, batch: list[dict], noise: float = 0.0
         n = len(ex["features"])
         ids[b, :n] = ex["ids"][1:n + 1].long()
         features[b, :n] = ex["features"].float()
-    read = features
-    if noise and draft.training:
-        read = features + noise * (2 * torch.rand_like(features) - 1)
-    first = draft.predict(ids, read)
+    first = draft.predict(ids, features)
     second = draft.predict(ids[:, 1:], first[:, :-1])
     to_head = head_columns(draft.specedge_head_ids, draft.config.vocab_size)
     total, agree, count, pairs = 0.0, 0, 0, 0

@@ -197,25 +197,3 @@ def test_draft_agreement_script_scores_an_oracle_draft_one(tiny_checkpoints):
               for shift in (True, False)]
     assert scores[0] == [1.0] * len(runs)
     assert max(scores[1]) < 1.0
-
-
-def test_feature_noise_perturbs_training_only(feature_draft, tiny_checkpoints):
-    """--feature-noise changes what the first pass reads in training mode and nothing in
-    evaluation mode (held-out scores and draft_agreement.py read the target's features)."""
-    import torch
-
-    from specedge.export.distill import load_draft
-    from specedge.export.feature_draft import feature_loss
-    from specedge.export.sources import load_model
-
-    out, _, _ = feature_draft
-    target, tokenizer = load_model(str(tiny_checkpoints["llama"]))
-    draft = load_draft(out, target, tokenizer)
-    batch = torch.load(sorted((out / "work").glob("data-*.pt"))[0])[:4]
-    with torch.no_grad():
-        clean = feature_loss(draft.eval(), batch)[0].item()
-        assert feature_loss(draft, batch, 0.5)[0].item() == clean
-        torch.manual_seed(0)
-        noisy = [feature_loss(draft.train(), batch, 0.5)[0].item() for _ in range(2)]
-        assert feature_loss(draft, batch, 0.0)[0].item() == pytest.approx(clean, rel=1e-5)
-    assert clean not in noisy and noisy[0] != noisy[1]
