@@ -106,6 +106,10 @@ def test_more_prompts_keep_the_data_made_without_them(distilled, tmp_path):
     copy = tmp_path / "draft"
     shutil.copytree(out, copy)
     shards = {p.name: p.stat().st_mtime_ns for p in (copy / "work").glob("data-*.pt")}
+    # as a version before --more-prompts wrote it: a missing setting reads as its default
+    settings = copy / "work" / "data-settings.json"
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items()
+                                    if k != "more_prompts"}))
     more = DistillConfig(**{**cfg.__dict__, "more_prompts": 20, "epochs": 1})
     grown = distill(copy, more)
     now = {p.name: p.stat().st_mtime_ns for p in (copy / "work").glob("data-*.pt")}
