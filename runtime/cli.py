@@ -8,7 +8,7 @@ import sys
 
 from .backends import BACKENDS
 from .errors import SpecEdgeError
-from .params import DRAFTERS
+from .params import DEFAULT_DRAFTER, DRAFTERS
 
 
 def add_generate(sub) -> None:
@@ -28,7 +28,7 @@ def add_generate(sub) -> None:
                    help="stop drafting when the draft's probability for its token is below "
                    "this (0 = off)")
     p.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
-    p.add_argument("--drafter", choices=DRAFTERS, default="lookup+model",
+    p.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER,
                    help="lookup+model (default): prompt lookup where the context repeats, "
                    "the draft model elsewhere")
     p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
@@ -105,10 +105,10 @@ def run_generate(args: argparse.Namespace) -> None:
         for piece in gen.stream(args.prompt, **kwargs):
             print(piece, end="", flush=True)
         print()
-        stats = gen.last_result.stats
+        spec = gen.last_result
+        stats = spec.stats
         print(_summary(stats), file=sys.stderr)
         if args.compare:
-            spec = gen.last_result
             plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False})
             ratio = stats["decode_tokens_per_second"] / max(
                 plain.stats["decode_tokens_per_second"], 1e-9)

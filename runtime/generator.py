@@ -23,6 +23,7 @@ from .draft_length import StepHistory, auto_k
 from .drafters import FeatureDrafter, LookupThenModelDrafter, ModelDrafter, PromptLookupDrafter
 from .kv_cache import KVCache, capacity_for
 from .params import (
+    DEFAULT_DRAFTER,
     Sampling,
     check_draft_tokens,
     check_drafter,
@@ -92,7 +93,7 @@ class Generator:
                messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = 0, draft_tokens: int | str | None = None,
-               use_draft: bool = True, drafter: str = "lookup+model", draft_threshold: float = 0.0,
+               use_draft: bool = True, drafter: str = DEFAULT_DRAFTER, draft_threshold: float = 0.0,
                stop: str | Sequence[str] | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
 
