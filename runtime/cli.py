@@ -68,6 +68,11 @@ def _summary(stats: dict) -> str:
             f"c={stats['draft_cost_ratio_c']:.3f}, ideal speedup {stats['ideal_speedup']:.2f}x")
 
 
+def _speedup(stats: dict, plain: dict) -> float:
+    """Decode tokens per second of a speculative run over plain decoding's."""
+    return stats["decode_tokens_per_second"] / max(plain["decode_tokens_per_second"], 1e-9)
+
+
 def _same_tokens(spec: list[int], plain: list[int], manifest: dict) -> str:
     """Greedy: whether speculative decoding gave plain decoding's tokens, and if not, why."""
     if spec == plain:
@@ -99,7 +104,12 @@ def run_generate(args: argparse.Namespace) -> None:
             out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats}
             if args.compare:
                 plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False})
-                out["plain_stats"] = plain.stats
+                # Greedy output must match plain decoding's; sampled output only in
+                # distribution, so a sampled run has no token verdict (null).
+                out |= {"plain_stats": plain.stats, "plain_token_ids": plain.token_ids,
+                        "speedup": _speedup(result.stats, plain.stats),
+                        "same_tokens": (result.token_ids == plain.token_ids
+                                        if args.temperature == 0 else None)}
             print(json.dumps(out))
             return
         for piece in gen.stream(args.prompt, **kwargs):
@@ -110,10 +120,8 @@ def run_generate(args: argparse.Namespace) -> None:
         print(_summary(stats), file=sys.stderr)
         if args.compare:
             plain = gen.generate(args.prompt, **{**kwargs, "use_draft": False})
-            ratio = stats["decode_tokens_per_second"] / max(
-                plain.stats["decode_tokens_per_second"], 1e-9)
             print(f"plain decoding: {plain.stats['decode_tokens_per_second']:.1f} tok/s; "
-                  f"speculative / plain = {ratio:.2f}x"
+                  f"speculative / plain = {_speedup(stats, plain.stats):.2f}x"
                   + (_same_tokens(spec.token_ids, plain.token_ids, gen.bundle.manifest)
                      if args.temperature == 0 else ""), file=sys.stderr)
     except (ValueError, SpecEdgeError) as e:

@@ -161,9 +161,26 @@ def test_generate_compare_json(capsys, tiny_bundle):
                                "--max-new-tokens", 8, "--compare", "--json")
     assert code == 0, err
     result = json.loads(out)
-    assert set(result) == {"text", "token_ids", "stats", "plain_stats"}
+    assert set(result) == {"text", "token_ids", "stats", "plain_stats", "plain_token_ids",
+                           "speedup", "same_tokens"}
     assert result["plain_stats"]["draft_calls"] == 0
     assert result["stats"]["draft_calls"] > 0
+    # Greedy on an fp32 bundle: plain decoding's tokens, and the verdict says so.
+    assert result["plain_token_ids"] == result["token_ids"]
+    assert result["same_tokens"] is True
+    assert result["speedup"] == pytest.approx(
+        result["stats"]["decode_tokens_per_second"]
+        / result["plain_stats"]["decode_tokens_per_second"])
+
+
+def test_generate_compare_json_sampled_has_no_token_verdict(capsys, tiny_bundle):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--max-new-tokens", 8, "--compare", "--json",
+                               "--temperature", 0.7, "--seed", 3)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["same_tokens"] is None
+    assert len(result["plain_token_ids"]) == result["plain_stats"]["tokens_generated"]
 
 
 def test_generate_prompt_lookup(capsys, tiny_bundle, api):
