@@ -210,7 +210,7 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         share_head = precision in ("fp32", "fp16")
         feature_draft = isinstance(draft_model, FeatureDraft)
         export_onnx(target, str(tmp / "target.onnx"), share_head=share_head,
-                    features=feature_draft,
+                    features=draft_model if feature_draft else False,
                     fused=fused_attention(attention, precision, target.config))
         progress.update()
         progress.set_postfix_str("export draft graph")
@@ -223,7 +223,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
         if verify:
             progress.set_postfix_str("verify graphs")
-            report["target"] = verify_graph(target, tmp / "target.onnx", prompt)
+            report["target"] = verify_graph(target, tmp / "target.onnx", prompt,
+                                            features=draft_model if feature_draft else False)
             if draft_model is not None:
                 check = verify_feature_draft if feature_draft else verify_graph
                 report["draft"] = check(draft_model, tmp / "draft.onnx", prompt)

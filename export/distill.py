@@ -31,14 +31,14 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from .feature_draft import FeatureDraft, feature_loss
+from .feature_draft import FeatureDraft, feature_loss, target_layer_outputs
 
 DRAFT_META = "specedge_draft.json"
 DRAFT_KINDS = ("model", "feature")
@@ -172,6 +172,9 @@ class DistillConfig:
     kind: str = "model"  # "model": layers on tokens; "feature": export/feature_draft.py
     varied_prompts: int = 0
     more_prompts: int = 0  # the varied set's next prompts, answered after the first ones
+    # A feature draft's earlier target layers (export/feature_draft.py); not data settings:
+    # their outputs are computed from the answers afterwards (add_layer_features).
+    feature_layers: list[int] = field(default_factory=list)
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
                    "seed", "top_k", "varied_prompts", "more_prompts")
@@ -274,6 +277,33 @@ def _answers(model, tokenizer, cfg: DistillConfig, work: Path, prompts: list[str
     return data
 
 
+def add_layer_features(model, data: list[dict], layers: tuple[int, ...], work: Path,
+                       batch: int) -> None:
+    """`ex["layer_features"]` [n, len(layers) * H] fp16: the target's outputs of decoder
+    `layers` at each of the example's feature positions, teacher-forced on its ids (the
+    answers are made already, so this is one forward pass, cut after the last of `layers`).
+    Cached in `work` per `batch` examples, so an interrupted run resumes."""
+    tag = "_".join(map(str, layers))
+    chunks = range(0, len(data), batch)
+    for j, start in enumerate(tqdm(chunks, desc="target layer features", unit="batch",
+                                   file=sys.stderr)):
+        part = data[start:start + batch]
+        path = work / f"layers-{tag}-{j:04d}.pt"
+        if not path.is_file():
+            lengths = [len(ex["features"]) for ex in part]
+            ids = torch.zeros(len(part), max(lengths), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for b, (ex, n) in enumerate(zip(part, lengths)):
+                ids[b, :n], mask[b, :n] = ex["ids"][:n].long(), 1
+            out = target_layer_outputs(model, ids, mask, layers)
+            both = torch.cat([out[i] for i in layers], dim=-1).to(torch.float16)
+            torch.save([both[b, :n].clone() for b, n in enumerate(lengths)],
+                       path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+        for ex, f in zip(part, torch.load(path)):
+            ex["layer_features"] = f
+
+
 def head_token_ids(data: list[dict], count: int, vocab_size: int) -> torch.Tensor:
     """The `count` tokens that the target most often ranks first, plus its answers."""
     freq = torch.zeros(vocab_size, dtype=torch.float64)
@@ -309,7 +339,7 @@ def make_draft(target, layers: int):
 def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):
     """The untrained draft that `cfg` describes, scoring `head_ids`."""
     if cfg.kind == "feature":
-        return FeatureDraft(target, head_ids)
+        return FeatureDraft(target, head_ids, cfg.feature_layers)
     draft = make_draft(target, cfg.layers)
     attach_head(draft, head_ids)
     return draft
@@ -427,6 +457,8 @@ def save_draft(draft, head_ids: torch.Tensor, out: Path, meta: dict) -> dict:
     (out / DRAFT_WEIGHTS).chmod(0o644)
     meta = {**meta, "kind": "feature" if isinstance(draft, FeatureDraft) else "model",
             "num_layers": draft.config.num_hidden_layers, "head_token_ids": head_ids.tolist()}
+    if getattr(draft, "feature_layers", ()):
+        meta["feature_layers"] = list(draft.feature_layers)
     (out / DRAFT_META).write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -462,7 +494,7 @@ def load_draft(path: Path, target, target_tokenizer):
     meta = check_distilled_draft(path, target_tokenizer)
     head_ids = torch.tensor(meta["head_token_ids"])
     if meta.get("kind", "model") == "feature":
-        draft = FeatureDraft(target, head_ids)
+        draft = FeatureDraft(target, head_ids, meta.get("feature_layers", ()))
     else:
         draft = make_draft(target, meta["num_layers"])
         attach_head(draft, head_ids)
@@ -485,6 +517,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
                          f"{cfg.varied_prompts} and {cfg.more_prompts}")
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
+    if cfg.feature_layers and cfg.kind != "feature":
+        raise ValueError("--feature-layers is for --kind feature drafts")
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -513,6 +547,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
         raise ValueError(f"{work} holds data generated without the target's features "
                          "(an older specedge): delete it, or use another --out")
     draft = new_draft(target, cfg, head_ids)
+    if cfg.kind == "feature" and draft.feature_layers:
+        add_layer_features(target, data, draft.feature_layers, work, cfg.generate_batch)
     report = train(draft, head_ids, data, cfg, work)
     meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
             "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),

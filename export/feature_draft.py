@@ -16,6 +16,16 @@ f_{r+1} is not known yet. After verification, pairs computed from predicted feat
 recomputed from the target's (drafters.FeatureDrafter), so the draft's cache only holds
 pairs built on what the target computed.
 
+With `feature_layers` (EAGLE-3, Li et al. 2025), f_r is not the last layer's output alone
+but a learned mix of it and of earlier layers' outputs:
+
+    f_r = fuse([rms(h^(a)_r); rms(h^(b)_r); ...; norm(h^(L)_r)])   ((n+1)H -> H, no bias)
+
+The last layer's features are shaped for predicting x_{r+1}; earlier layers still hold more
+of what predicting x_{r+2} needs. `fuse` is the draft's, but it runs in the target's graph
+(export/graph.py), so the runtime and the bundle contract see an H-wide f_r either way.
+rms() is a parameter-free RMS norm: the residual stream's scale grows with depth.
+
 Graph I/O is the bundle's (runtime/bundle.py) plus `hidden_states_in` [1, T, H] (the f_r of
 each pair) and `hidden_states` [1, T, H] (the f^_{r+1}); the target graph of such a bundle
 outputs its f_r as `hidden_states`.
@@ -37,6 +47,7 @@ from .graph import (
     llama_layer,
     llama_layer_fused,
     rotary_tables,
+    target_features,
 )
 
 
@@ -44,7 +55,8 @@ class FeatureDraft(nn.Module):
     """fc + one decoder layer of the target's shape; embeddings, rotary table and head are
     the target's own, frozen (not stored with the draft)."""
 
-    def __init__(self, target: nn.Module, head_ids: torch.Tensor):
+    def __init__(self, target: nn.Module, head_ids: torch.Tensor,
+                 feature_layers: tuple[int, ...] = ()):
         super().__init__()
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = 1
@@ -73,6 +85,14 @@ class FeatureDraft(nn.Module):
         for frozen in (self.embed_tokens, self.lm_head):
             frozen.requires_grad_(False)
         self.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
+        self.feature_layers = check_feature_layers(feature_layers, target.config.num_hidden_layers)
+        self.fuse = None
+        if self.feature_layers:
+            # Starts as the last layer's features alone, the draft without earlier layers.
+            self.fuse = nn.Linear((len(self.feature_layers) + 1) * width, width, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -width:].copy_(torch.eye(width))
 
     rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse_attention
 
@@ -82,9 +102,9 @@ class FeatureDraft(nn.Module):
         self.rotary_cache = gqa_rotary_cache(self.rotary_emb, self.config)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """What a draft folder stores: fc and the layer."""
+        """What a draft folder stores: fc, the layer, and fuse if it reads earlier layers."""
         return {k: v for k, v in self.state_dict().items()
-                if k.startswith(("fc.", "layer."))}
+                if k.startswith(("fc.", "layer.", "fuse."))}
 
     def _pairs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """g_r = fc([embed(x_{r+1}); f_r]), the layer's input."""
@@ -118,6 +138,46 @@ class FeatureDraft(nn.Module):
         return _lm_head(self, _last_positions(x, logits_to_keep)), k, v, x
 
 
+class _Enough(Exception):
+    """Ends the target's forward pass once every wanted output is recorded."""
+
+
+def target_layer_outputs(target: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None,
+                         layers: tuple[int, ...], final: bool = False) -> dict:
+    """The target's outputs of decoder `layers` on `ids` [B, L] (and its final norm's, key
+    "final", if `final`); without `final` the pass stops after the last of `layers`."""
+    base, outputs = target.model, {}
+    wanted = [(i, base.layers[i]) for i in layers] + ([("final", base.norm)] if final else [])
+
+    def keep(key):
+        def hook(module, args, out):
+            outputs[key] = out[0] if isinstance(out, tuple) else out
+            if len(outputs) == len(wanted):
+                raise _Enough
+        return hook
+
+    hooks = [module.register_forward_hook(keep(key)) for key, module in wanted]
+    try:
+        with torch.no_grad():
+            base(input_ids=ids, attention_mask=mask)
+    except _Enough:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """Distinct target layer indices in [0, num_layers - 1), ascending (the last layer's
+    output is always read, through the final norm)."""
+    layers = tuple(sorted(set(int(i) for i in layers)))
+    if any(not 0 <= i < num_layers - 1 for i in layers):
+        raise ValueError(f"--feature-layers must be target layers 0..{num_layers - 2} (the "
+                         f"last one is always read), got {list(layers)}")
+    return layers
+
+
 def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, float]:
     """Distillation loss of a feature draft on a batch of target answers (export/distill.py).
 
@@ -134,18 +194,24 @@ def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, 
     width = max(len(ex["features"]) for ex in batch)
     hidden = draft.config.hidden_size
     ids = torch.zeros(len(batch), width, dtype=torch.long)
-    features = torch.zeros(len(batch), width, hidden)
+    final = torch.zeros(len(batch), width, hidden)
+    fuse = getattr(draft, "fuse", None)  # None: the final features alone
+    layers = torch.zeros(len(batch), width, 0 if fuse is None else fuse.in_features - hidden)
     for b, ex in enumerate(batch):
         n = len(ex["features"])
         ids[b, :n] = ex["ids"][1:n + 1].long()
-        features[b, :n] = ex["features"].float()
+        final[b, :n] = ex["features"].float()
+        if fuse is not None:
+            layers[b, :n] = ex["layer_features"].float()
+    features = target_features(fuse, list(layers.split(hidden, dim=-1)), final)
     first = draft.predict(ids, features)
     second = draft.predict(ids[:, 1:], first[:, :-1])
     to_head = head_columns(draft.specedge_head_ids, draft.config.vocab_size)
     total, agree, count, pairs = 0.0, 0, 0, 0
     for b, ex in enumerate(batch):
         n, start, answer = len(ex["features"]), ex["start"], len(ex["top_ids"])
-        target = features[b, 1:n]
+        # fuse is learned: the regression aims at its output, not through it.
+        target = features[b, 1:n].detach()
         total = total + torch.nn.functional.smooth_l1_loss(
             first[b, :n - 1], target, reduction="sum") / hidden
         total = total + 0.5 * torch.nn.functional.smooth_l1_loss(

@@ -252,18 +252,37 @@ def llama_layer_fused(layer: nn.Module, x: torch.Tensor, past_k: torch.Tensor,
     return _mlp_block(layer, x + attn.o_proj(o)), present_k, present_v
 
 
+def target_features(fuse: nn.Module | None, layer_outputs: list[torch.Tensor],
+                    final: torch.Tensor) -> torch.Tensor:
+    """The f_r a feature draft reads: the final norm's output, or with the draft's `fuse`,
+    fuse([rms(h^(a)); ...; final]) over the outputs of its `feature_layers`
+    (export/feature_draft.py)."""
+    if fuse is None:
+        return final
+    return fuse(torch.cat([*map(_rms, layer_outputs), final], dim=-1))
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """Parameter-free RMS norm: earlier layers' outputs differ in scale from the final one."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 class LlamaFamilyDecoder(nn.Module):
     """Llama, Mistral and Qwen2: pre-norm blocks, rotary positions, grouped-query attention.
 
-    `features`: also output the final norm's output at every input position (the vectors
-    the head reads), which a feature draft takes as input (export/feature_draft.py).
+    `features`: also output, at every input position, the f_r a feature draft reads
+    (export/feature_draft.py): True for the final norm's output (the vectors the head
+    reads), or the feature draft itself, whose `target_features` may also mix earlier
+    layers' outputs in (its `feature_layers`).
     `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (module docstring).
     """
 
-    def __init__(self, model: nn.Module, features: bool = False, fused: bool = False):
+    def __init__(self, model: nn.Module, features=False, fused: bool = False):
         super().__init__()
         self.model = model
-        self.features = features
+        self.features = bool(features)
+        self.feature_layers = getattr(features, "feature_layers", ())
+        self.fuse = getattr(features, "fuse", None)
         self.fused = fused
         if fused:
             self.rotary_cache = gqa_rotary_cache(model.model.rotary_emb, model.config)
@@ -271,26 +290,28 @@ class LlamaFamilyDecoder(nn.Module):
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
         base = self.model.model
         x = base.embed_tokens(input_ids)
-        presents = []
+        presents, layer_outputs = [], []
         if self.fused:
             lengths = gqa_lengths(past_length, input_ids)
-            for i, layer in enumerate(base.layers):
-                x, k, v = llama_layer_fused(layer, x, past[2 * i], past[2 * i + 1], lengths,
-                                            self.rotary_cache, position_ids)
-                presents += [k, v]
         else:
             rotary = rotary_tables(*base.rotary_emb(x, position_ids),
                                    base.layers[0].self_attn.head_dim)
             bias = llama_bias(self.model.config, past_length, past[0], input_ids, x.dtype)
-            for i, layer in enumerate(base.layers):
+        for i, layer in enumerate(base.layers):
+            if self.fused:
+                x, k, v = llama_layer_fused(layer, x, past[2 * i], past[2 * i + 1], lengths,
+                                            self.rotary_cache, position_ids)
+            else:
                 x, k, v = llama_layer(layer, x, rotary, past[2 * i], past[2 * i + 1], bias)
-                presents += [k, v]
+            presents += [k, v]
+            if i in self.feature_layers:
+                layer_outputs.append(x)
         if not self.features:
             x = base.norm(_last_positions(x, logits_to_keep))
             return (_lm_head(self.model, x), *presents)
-        features = base.norm(x)
-        return (_lm_head(self.model, _last_positions(features, logits_to_keep)), *presents,
-                features)
+        final = base.norm(x)
+        return (_lm_head(self.model, _last_positions(final, logits_to_keep)), *presents,
+                target_features(self.fuse, layer_outputs, final))
 
 
 class GPT2Decoder(nn.Module):
@@ -361,10 +382,11 @@ def fused_attention(attention: str, precision: str, config) -> bool:
                                     and precision in ("int8", "int4"))
 
 
-def wrap(model: nn.Module, features: bool = False, fused: bool = False) -> nn.Module:
+def wrap(model: nn.Module, features=False, fused: bool = False) -> nn.Module:
     """The export module for a Hugging Face causal LM, or ValueError if unsupported.
 
-    `features`: the graph also outputs the target's features for a feature draft.
+    `features`: the graph also outputs the target's features for a feature draft (True,
+    or the feature draft: LlamaFamilyDecoder).
     `fused`: attention on ONNX Runtime's GroupQueryAttention (Llama family only)."""
     model_type = model.config.model_type
     if features and model_type not in LLAMA_FAMILY:
@@ -411,13 +433,14 @@ def share_tied_head(path: str) -> bool:
 
 
 def export_onnx(model: nn.Module, path: str, share_head: bool = True,
-                features: bool = False, fused: bool = False) -> None:
+                features=False, fused: bool = False) -> None:
     """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
 
     `share_head`: for tied embeddings, let the LM head read the embedding table (no second
     copy). Quantized exports keep the copy, so that the head gets quantized as a MatMul.
-    `features`: a target that also outputs its features (for a feature draft). A feature
-    draft (export/feature_draft.py) is its own export module and always has feature I/O.
+    `features`: a target that also outputs its features (True, or the feature draft that
+    reads them: LlamaFamilyDecoder). A feature draft (export/feature_draft.py) is its own
+    export module and always has feature I/O.
     `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (a feature draft is
     switched to it with its `fuse_attention`).
     """
@@ -433,7 +456,7 @@ def export_onnx(model: nn.Module, path: str, share_head: bool = True,
             *[torch.zeros(1, kv, capacity, d, dtype=dtype) for _ in range(2 * n)])
     if reads:
         args += (torch.zeros(1, t, model.config.hidden_size, dtype=dtype),)
-    inputs, outputs = graph_io(n, reads, features or reads)
+    inputs, outputs = graph_io(n, reads, bool(features) or reads)
     dynamic = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "logits": {1: "N"}}
     for name in inputs[4:]:
         dynamic[name] = {1: "T"} if name == FEATURES_IN else {2: "C"}

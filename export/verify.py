@@ -23,8 +23,8 @@ from specedge.runtime.bundle import (
     ModelSpec,
 )
 
-from .feature_draft import FeatureDraft
-from .graph import model_dims
+from .feature_draft import FeatureDraft, target_layer_outputs
+from .graph import model_dims, target_features
 
 DEFAULT_ATOL = 1e-3
 
@@ -81,9 +81,20 @@ def verify_feature_draft(draft: FeatureDraft, onnx_path: Path, prompt_ids: list[
             "greedy_matches": matches, "ok": bool(max_diff <= atol and matches == steps)}
 
 
+def _target_features(model: nn.Module, ids: list[int], reader) -> torch.Tensor:
+    """What a target's graph should output as features over `ids` (export/graph.py
+    LlamaFamilyDecoder), from the transformers model's own layers."""
+    layers = getattr(reader, "feature_layers", ())
+    out = target_layer_outputs(model, torch.tensor([ids]), None, layers, final=True)
+    with torch.no_grad():
+        return target_features(getattr(reader, "fuse", None), [out[i] for i in layers],
+                               out["final"])[0]
+
+
 def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps: int = 32,
-                 atol: float = DEFAULT_ATOL) -> dict:
-    """Compare graph and model; returns a report dict with `ok`."""
+                 atol: float = DEFAULT_ATOL, features=False) -> dict:
+    """Compare graph and model; returns a report dict with `ok`. `features`: the graph's
+    feature output too, as export_onnx was given it (True, or the feature draft)."""
     backend = graph_backend(onnx_path, model_dims(model))
     cache = backend.new_cache(len(prompt_ids) + steps)
 
@@ -95,6 +106,9 @@ def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps
     ref = out.logits[0].numpy()[:, cols]
     got = backend.forward(cache, prompt_ids, len(prompt_ids))[:, cols]
     max_diff = float(np.abs(got - ref).max())
+    if features:
+        expected = _target_features(model, prompt_ids, features).numpy()
+        max_diff = max(max_diff, float(np.abs(backend.features - expected).max()))
     vocab_id = (lambda i: int(i)) if head is None else (lambda i: int(head[i]))
 
     ref_tokens, graph_tokens = [], []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +26,12 @@ import torch
 from tqdm import tqdm
 
 from specedge.bench.configs import load_prompts
-from specedge.export.distill import DistillConfig, generate_shard, load_draft
+from specedge.export.distill import (
+    DistillConfig,
+    add_layer_features,
+    generate_shard,
+    load_draft,
+)
 from specedge.export.feature_draft import feature_loss
 from specedge.export.sources import load_model
 
@@ -40,8 +46,13 @@ def target_answers(model: str, limit: int | None, max_new_tokens: int):
     return target, tok, runs
 
 
-def agreement(draft, runs) -> dict[str, float]:
-    """Share of answer positions where the draft's argmax is the target's, by category."""
+def agreement(draft, runs, target=None) -> dict[str, float]:
+    """Share of answer positions where the draft's argmax is the target's, by category
+    (`target` computes the earlier layers' outputs a draft with feature_layers reads)."""
+    if getattr(draft, "feature_layers", ()):
+        with tempfile.TemporaryDirectory() as work:
+            add_layer_features(target, [ex for _, ex in runs], draft.feature_layers,
+                               Path(work), 1)
     hits, count = Counter(), Counter()
     for category, example in runs:
         with torch.no_grad():
@@ -66,7 +77,7 @@ def main() -> None:
         draft = load_draft(path, target, tok)
         if not hasattr(draft, "predict"):
             raise SystemExit(f"{path} is not a feature draft (specedge distill --kind feature)")
-        print(json.dumps({"draft": str(path), "agreement": agreement(draft, runs)}))
+        print(json.dumps({"draft": str(path), "agreement": agreement(draft, runs, target)}))
 
 
 if __name__ == "__main__":

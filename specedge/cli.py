@@ -120,6 +120,9 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    "features (EAGLE; runs on ort-cpu), usually accepted more often")
     p.add_argument("--layers", type=int, default=2,
                    help="decoder layers of a model draft (default 2)")
+    p.add_argument("--feature-layers", type=int, nargs="+", default=[], metavar="I",
+                   help="a feature draft also reads these target layers' outputs, mixed with "
+                   "the last one's (EAGLE-3; 0-based, e.g. 2 15)")
     p.add_argument("--head-tokens", type=int, default=8192,
                    help="output head size: the most frequent tokens (default 8192)")
     p.add_argument("--prompts", type=int, default=1200,

@@ -197,3 +197,101 @@ def test_draft_agreement_script_scores_an_oracle_draft_one(tiny_checkpoints):
               for shift in (True, False)]
     assert scores[0] == [1.0] * len(runs)
     assert max(scores[1]) < 1.0
+
+
+# ---- drafts that also read earlier target layers (EAGLE-3's mix, --feature-layers) ------
+
+
+@pytest.fixture(scope="module")
+def layered_draft(tiny_checkpoints, tmp_path_factory):
+    """A feature draft for the tiny (2-layer) Llama that also reads its layer 0."""
+    from specedge.export.distill import DistillConfig, distill
+
+    out = tmp_path_factory.mktemp("layered") / "draft"
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature",
+                        head_tokens=16, prompts=32, new_tokens=24, generate_batch=16,
+                        epochs=2, batch=8, feature_layers=[0])
+    return out, distill(out, cfg)
+
+
+def test_layered_draft_stores_its_fuse_and_layers(layered_draft):
+    out, meta = layered_draft
+    weights = load_file(str(out / DRAFT_WEIGHTS))
+    assert {k.split(".")[0] for k in weights} == {"fc", "layer", "fuse"}
+    assert weights["fuse.weight"].shape == (32, 2 * 32)   # [layer 0; final] -> H
+    assert json.loads((out / DRAFT_META).read_text())["feature_layers"] == [0] == \
+        meta["feature_layers"]
+    assert sorted(p.name for p in (out / "work").glob("layers-0-*.pt")) == \
+        ["layers-0-0000.pt", "layers-0-0001.pt"]   # 32 answers in chunks of 16
+
+
+def test_layered_bundle_verifies_and_is_exact(layered_draft, tiny_checkpoints, tmp_path):
+    manifest = export_bundle(str(tiny_checkpoints["llama"]), tmp_path / "b",
+                             draft=str(layered_draft[0]), verify=True)
+    assert manifest["verify"]["target"]["ok"] and manifest["verify"]["draft"]["ok"]
+    gen = Generator.from_bundle(tmp_path / "b")
+    drafted = 0
+    for prompt in ("hello world", "the cat sat"):
+        plain = gen.generate(prompt, raw=True, max_new_tokens=32, use_draft=False)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=32, draft_tokens=2,
+                            drafter="model")
+        assert spec.token_ids == plain.token_ids
+        drafted += spec.stats["drafted_tokens"]
+    assert drafted > 0
+
+
+def test_target_graph_outputs_the_mixed_features(tiny_checkpoints, tmp_path):
+    """The target graph computes fuse([rms(layer 0); final]) as transformers does, and the
+    export's check tells it apart from the final norm's output alone."""
+    import torch
+
+    from specedge.export.feature_draft import FeatureDraft
+    from specedge.export.graph import export_onnx
+    from specedge.export.sources import load_model
+    from specedge.export.verify import verify_graph
+
+    target, _ = load_model(tiny_checkpoints["llama"])
+    draft = FeatureDraft(target, torch.arange(HEAD), (0,))
+    with torch.no_grad():
+        draft.fuse.weight.copy_(torch.randn(draft.fuse.weight.shape,
+                                            generator=torch.Generator().manual_seed(0)))
+    export_onnx(target, str(tmp_path / "t.onnx"), features=draft)
+    prompt = [1, 10, 7, 12, 9]
+    assert verify_graph(target, tmp_path / "t.onnx", prompt, features=draft)["ok"]
+    assert not verify_graph(target, tmp_path / "t.onnx", prompt, features=True)["ok"]
+
+
+def test_a_new_layered_draft_reads_what_a_plain_one_does(tiny_checkpoints):
+    """fuse starts as the identity on the final features: training starts from the same
+    draft with or without earlier layers."""
+    import torch
+
+    from specedge.export.feature_draft import FeatureDraft
+    from specedge.export.graph import target_features
+    from specedge.export.sources import load_model
+
+    target, _ = load_model(tiny_checkpoints["llama"])
+    draft = FeatureDraft(target, torch.arange(HEAD), (0,))
+    layer0, final = torch.randn(1, 5, 32) * 7, torch.randn(1, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(target_features(draft.fuse, [layer0], final), final)
+
+
+@pytest.mark.parametrize("layers", [[1], [-1], [0, 5]])
+def test_feature_layers_must_be_earlier_target_layers(tiny_checkpoints, layers):
+    import torch
+
+    from specedge.export.feature_draft import FeatureDraft
+    from specedge.export.sources import load_model
+
+    target, _ = load_model(tiny_checkpoints["llama"])
+    with pytest.raises(ValueError, match="--feature-layers must be target layers 0..0"):
+        FeatureDraft(target, torch.arange(HEAD), layers)
+
+
+def test_feature_layers_need_a_feature_draft(tmp_path):
+    from specedge.export.distill import DistillConfig, distill
+
+    with pytest.raises(ValueError, match="--feature-layers is for --kind feature"):
+        distill(tmp_path / "d", DistillConfig(kind="model", feature_layers=[2]))
+    assert not (tmp_path / "d").exists()
