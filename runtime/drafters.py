@@ -22,7 +22,6 @@ every target call (`observe`).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .backends import Backend
 from .params import Sampling
@@ -154,13 +153,18 @@ class PromptLookupDrafter:
     def match(self, context: list[int]) -> int | None:
         """Where the tokens that followed the latest match of the context's tail start."""
         tokens = np.asarray(context)
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            # Windows over tokens[:-1] start at most len-1-n, so every match is followed by
-            # at least one token and the context's own tail never matches itself.
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        last = len(tokens) - 1
+        # A match of n tokens ends at some p <= last - 1 with tokens[p] == tokens[last], so
+        # it is followed by at least one token and the tail never matches itself. Only
+        # those ends are examined (one pass over the context, then a few tokens each): a
+        # window view of the whole context per n cost ~0.3 ms a step, 1-2% of a step.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        for n in range(min(self.max_ngram, last), self.min_ngram - 1, -1):
+            hits = ends[ends >= n - 1]
+            for back in range(1, n):
+                hits = hits[tokens[hits - back] == tokens[last - back]]
             if hits.size:
-                return int(hits[-1] + n)
+                return int(hits[-1] + 1)
         return None
 
     def rollback(self, length: int) -> None:

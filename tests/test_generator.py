@@ -238,6 +238,31 @@ def test_prompt_lookup_proposes_the_continuation_of_the_last_match():
     assert d.propose([1, 2, 3], 3, Sampling(), rng)[0] == []
 
 
+@pytest.mark.parametrize("min_ngram,max_ngram", [(1, 3), (2, 3), (1, 1), (2, 5)])
+def test_prompt_lookup_match_is_the_latest_longest_window_match(min_ngram, max_ngram):
+    """Against the definition, on 2000 random contexts over 4 tokens (seeded): for n from
+    max_ngram down, the latest window of n tokens of context[:-1] equal to the context's
+    last n; the continuation starts after it."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    def reference(tokens):
+        for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+            windows = sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                return int(hits[-1] + n)
+        return None
+
+    d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(2000):
+        tokens = rng.integers(0, 4, rng.integers(1, 30))
+        assert d.match(list(tokens)) == reference(tokens), tokens
+        found += reference(tokens) is not None
+    assert 500 < found < 1900   # both outcomes are exercised (986 to 1732 of 2000)
+
+
 def test_best_k_with_flat_verification_cost_maximises_the_ideal_speedup():
     """v(T) = 1 for every T: rate(K) / rate(0) is the ideal speedup with c = d, and K = 0
     (plain decoding, speedup 1) is chosen only when no K beats it."""
