@@ -209,8 +209,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
         share_head = precision in ("fp32", "fp16")
         feature_draft = isinstance(draft_model, FeatureDraft)
-        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head,
-                    features=draft_model if feature_draft else False,
+        reader = draft_model if feature_draft else False  # what the target's features feed
+        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head, features=reader,
                     fused=fused_attention(attention, precision, target.config))
         progress.update()
         progress.set_postfix_str("export draft graph")
@@ -224,7 +224,7 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
         if verify:
             progress.set_postfix_str("verify graphs")
             report["target"] = verify_graph(target, tmp / "target.onnx", prompt,
-                                            features=draft_model if feature_draft else False)
+                                            features=reader)
             if draft_model is not None:
                 check = verify_feature_draft if feature_draft else verify_graph
                 report["draft"] = check(draft_model, tmp / "draft.onnx", prompt)

@@ -547,7 +547,7 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
         raise ValueError(f"{work} holds data generated without the target's features "
                          "(an older specedge): delete it, or use another --out")
     draft = new_draft(target, cfg, head_ids)
-    if cfg.kind == "feature" and draft.feature_layers:
+    if cfg.feature_layers:
         add_layer_features(target, data, draft.feature_layers, work, cfg.generate_batch)
     report = train(draft, head_ids, data, cfg, work)
     meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),

@@ -272,12 +272,13 @@ class LlamaFamilyDecoder(nn.Module):
 
     `features`: also output, at every input position, the f_r a feature draft reads
     (export/feature_draft.py): True for the final norm's output (the vectors the head
-    reads), or the feature draft itself, whose `target_features` may also mix earlier
-    layers' outputs in (its `feature_layers`).
+    reads), or the feature draft itself, whose `fuse` may mix earlier layers' outputs (its
+    `feature_layers`) in: `target_features`.
     `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (module docstring).
     """
 
-    def __init__(self, model: nn.Module, features=False, fused: bool = False):
+    def __init__(self, model: nn.Module, features: bool | nn.Module = False,
+                 fused: bool = False):
         super().__init__()
         self.model = model
         self.features = bool(features)
@@ -382,7 +383,8 @@ def fused_attention(attention: str, precision: str, config) -> bool:
                                     and precision in ("int8", "int4"))
 
 
-def wrap(model: nn.Module, features=False, fused: bool = False) -> nn.Module:
+def wrap(model: nn.Module, features: bool | nn.Module = False,
+         fused: bool = False) -> nn.Module:
     """The export module for a Hugging Face causal LM, or ValueError if unsupported.
 
     `features`: the graph also outputs the target's features for a feature draft (True,
@@ -433,7 +435,7 @@ def share_tied_head(path: str) -> bool:
 
 
 def export_onnx(model: nn.Module, path: str, share_head: bool = True,
-                features=False, fused: bool = False) -> None:
+                features: bool | nn.Module = False, fused: bool = False) -> None:
     """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
 
     `share_head`: for tied embeddings, let the LM head read the embedding table (no second

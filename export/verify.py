@@ -92,7 +92,7 @@ def _target_features(model: nn.Module, ids: list[int], reader) -> torch.Tensor:
 
 
 def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps: int = 32,
-                 atol: float = DEFAULT_ATOL, features=False) -> dict:
+                 atol: float = DEFAULT_ATOL, features: bool | nn.Module = False) -> dict:
     """Compare graph and model; returns a report dict with `ok`. `features`: the graph's
     feature output too, as export_onnx was given it (True, or the feature draft)."""
     backend = graph_backend(onnx_path, model_dims(model))
