@@ -38,7 +38,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from .feature_draft import FeatureDraft, feature_loss, target_layer_outputs
+from .feature_draft import (
+    FeatureDraft,
+    check_feature_layers,
+    feature_loss,
+    target_layer_outputs,
+)
 
 DRAFT_META = "specedge_draft.json"
 DRAFT_KINDS = ("model", "feature")
@@ -540,6 +545,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     target, tokenizer = load_model(cfg.target)
     if target.config.model_type not in ("llama", "mistral", "qwen2"):
         raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
+    # Before the answers, which can take hours, rather than when the draft is built.
+    check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
     t0 = time.time()
     data = build_dataset(target, tokenizer, cfg, work)
     head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)

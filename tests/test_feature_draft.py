@@ -289,6 +289,16 @@ def test_feature_layers_must_be_earlier_target_layers(tiny_checkpoints, layers):
         FeatureDraft(target, torch.arange(HEAD), layers)
 
 
+def test_distill_refuses_bad_feature_layers_before_any_answer(tiny_checkpoints, tmp_path):
+    from specedge.export.distill import DistillConfig, distill
+
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature", prompts=4,
+                        new_tokens=4, feature_layers=[1])
+    with pytest.raises(ValueError, match="--feature-layers must be target layers 0..0"):
+        distill(tmp_path / "d", cfg)
+    assert not list((tmp_path / "d" / "work").glob("data-*.pt"))
+
+
 def test_feature_layers_need_a_feature_draft(tmp_path):
     from specedge.export.distill import DistillConfig, distill
 
