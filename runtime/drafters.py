@@ -157,7 +157,7 @@ class PromptLookupDrafter:
         # A match of n tokens ends at some p <= last - 1 with tokens[p] == tokens[last], so
         # it is followed by at least one token and the tail never matches itself. Only
         # those ends are examined (one pass over the context, then a few tokens each): a
-        # window view of the whole context per n cost ~0.3 ms a step, 1-2% of a step.
+        # window view of the whole context per n cost 0.14-0.25 ms a step, about 1%.
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         for n in range(min(self.max_ngram, last), self.min_ngram - 1, -1):
             hits = ends[ends >= n - 1]
