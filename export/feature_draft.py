@@ -195,15 +195,17 @@ def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, 
     hidden = draft.config.hidden_size
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     final = torch.zeros(len(batch), width, hidden)
-    fuse = getattr(draft, "fuse", None)  # None: the final features alone
-    layers = torch.zeros(len(batch), width, 0 if fuse is None else fuse.in_features - hidden)
     for b, ex in enumerate(batch):
         n = len(ex["features"])
         ids[b, :n] = ex["ids"][1:n + 1].long()
         final[b, :n] = ex["features"].float()
-        if fuse is not None:
-            layers[b, :n] = ex["layer_features"].float()
-    features = target_features(fuse, list(layers.split(hidden, dim=-1)), final)
+    fuse, layer_outputs = getattr(draft, "fuse", None), []  # no fuse: the final features
+    if fuse is not None:
+        layers = torch.zeros(len(batch), width, fuse.in_features - hidden)
+        for b, ex in enumerate(batch):
+            layers[b, :len(ex["features"])] = ex["layer_features"].float()
+        layer_outputs = list(layers.split(hidden, dim=-1))
+    features = target_features(fuse, layer_outputs, final)
     first = draft.predict(ids, features)
     second = draft.predict(ids[:, 1:], first[:, :-1])
     to_head = head_columns(draft.specedge_head_ids, draft.config.vocab_size)
