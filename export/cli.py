@@ -75,7 +75,8 @@ def run_distill(args: argparse.Namespace) -> None:
     cfg = DistillConfig(target=args.target, kind=args.kind, layers=args.layers,
                         head_tokens=args.head_tokens, prompts=args.prompts,
                         varied_prompts=args.varied_prompts,
-                        more_prompts=args.more_prompts, feature_layers=args.feature_layers,
+                        more_prompts=args.more_prompts, self_prompts=args.self_prompts,
+                        feature_layers=args.feature_layers,
                         new_tokens=args.new_tokens, epochs=args.epochs, seed=args.seed)
     try:
         meta = distill(args.out, cfg)

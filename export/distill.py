@@ -38,12 +38,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from ..bench.configs import load_prompts
 from .feature_draft import (
     FeatureDraft,
     check_feature_layers,
     feature_loss,
     target_layer_outputs,
 )
+from .self_prompts import self_prompts
 
 DRAFT_META = "specedge_draft.json"
 DRAFT_KINDS = ("model", "feature")
@@ -177,12 +179,13 @@ class DistillConfig:
     kind: str = "model"  # "model": layers on tokens; "feature": export/feature_draft.py
     varied_prompts: int = 0
     more_prompts: int = 0  # the varied set's next prompts, answered after the first ones
+    self_prompts: int = 0  # requests the target writes (export/self_prompts.py), answered last
     # A feature draft's earlier target layers (export/feature_draft.py); not data settings:
     # their outputs are computed from the answers afterwards (add_layer_features).
     feature_layers: list[int] = field(default_factory=list)
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
-                   "seed", "top_k", "varied_prompts", "more_prompts")
+                   "seed", "top_k", "varied_prompts", "more_prompts", "self_prompts")
 
     def data_settings(self) -> dict:
         """What the generated data depends on; the rest only shapes training."""
@@ -247,8 +250,9 @@ def generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
 def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict]:
     """Generate (or reload) the on-policy data, one resumable shard per batch: the template
     prompts, then the varied ones (whose passages are the template answers), then
-    `more_prompts` further varied ones, in shards of their own, so that data made without
-    them is kept when they are added (see `distill`)."""
+    `more_prompts` further varied ones, then `self_prompts` target-written ones, in shards
+    of their own, so that data made without the last ones is kept when they are added (see
+    `distill`)."""
     data = _answers(model, tokenizer, cfg, work, training_prompts(cfg.prompts, cfg.seed), 0)
     first = -(-cfg.prompts // cfg.generate_batch)
     if cfg.varied_prompts or cfg.more_prompts:
@@ -259,6 +263,11 @@ def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict
             if chunk:
                 data += _answers(model, tokenizer, cfg, work, chunk, first)
                 first += -(-len(chunk) // cfg.generate_batch)
+    if cfg.self_prompts:
+        avoid = [p["prompt"].split("\n")[0] for p in load_prompts()]
+        requests = self_prompts(model, tokenizer, cfg.self_prompts, cfg.seed,
+                                cfg.generate_batch, work, avoid)
+        data += _answers(model, tokenizer, cfg, work, requests, first)
     return data
 
 
@@ -517,9 +526,9 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
 
     if cfg.layers < 1 or cfg.head_tokens < 1 or cfg.prompts < 1 or cfg.epochs < 1:
         raise ValueError("--layers, --head-tokens, --prompts and --epochs must be >= 1")
-    if cfg.varied_prompts < 0 or cfg.more_prompts < 0:
-        raise ValueError("--varied-prompts and --more-prompts must be >= 0, got "
-                         f"{cfg.varied_prompts} and {cfg.more_prompts}")
+    if min(cfg.varied_prompts, cfg.more_prompts, cfg.self_prompts) < 0:
+        raise ValueError("--varied-prompts, --more-prompts and --self-prompts must be >= 0, "
+                         f"got {cfg.varied_prompts}, {cfg.more_prompts} and {cfg.self_prompts}")
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
     if cfg.feature_layers and cfg.kind != "feature":
@@ -529,12 +538,15 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     # Generated data is reused only for the same data settings; a training state only for
     # the same settings altogether (otherwise training starts over on the cached data).
-    # Data made without --more-prompts may gain them: their shards come last. A setting
-    # added since the data was made reads as its default, which is what that version did.
+    # Data made without --self-prompts (or without both --more-prompts and --self-prompts)
+    # may gain them: their shards come last. A setting added since the data was made reads
+    # as its default, which is what that version did.
     data_path, run_path = work / "data-settings.json", work / "settings.json"
     if data_path.is_file():
         made = {**DistillConfig().data_settings(), **json.loads(data_path.read_text())}
-        if made != cfg.data_settings() and made != {**cfg.data_settings(), "more_prompts": 0}:
+        now = cfg.data_settings()
+        if made not in (now, {**now, "self_prompts": 0},
+                        {**now, "more_prompts": 0, "self_prompts": 0}):
             raise ValueError(f"{work} holds data generated with other settings; use another "
                              "--out or delete it")
     data_path.write_text(json.dumps(cfg.data_settings(), indent=1))

@@ -133,6 +133,10 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--more-prompts", type=int, default=0,
                    help="further varied prompts, answered after the others: adding them to "
                    "a finished run keeps its data (default 0)")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="requests the target writes itself (Magpie), filtered and answered "
+                   "after the others: prompts closer to real chat; adding them to a finished "
+                   "run keeps its data (default 0)")
     p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)

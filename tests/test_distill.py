@@ -123,9 +123,10 @@ def test_more_prompts_keep_the_data_made_without_them(distilled, tmp_path):
         distill(copy, DistillConfig(**{**more.__dict__, "more_prompts": 40}))
 
 
-@pytest.mark.parametrize("setting", ["varied_prompts", "more_prompts"])
+@pytest.mark.parametrize("setting", ["varied_prompts", "more_prompts", "self_prompts"])
 def test_negative_prompt_count_is_refused_before_any_work(setting, tmp_path):
-    with pytest.raises(ValueError, match="--varied-prompts and --more-prompts must be >= 0"):
+    with pytest.raises(ValueError, match="--varied-prompts, --more-prompts and --self-prompts "
+                       "must be >= 0"):
         distill(tmp_path / "draft", DistillConfig(**{setting: -1}))
     assert not (tmp_path / "draft").exists()
 
