@@ -303,7 +303,8 @@ def add_layer_features(model, data: list[dict], layers: tuple[int, ...], work: P
                                    file=sys.stderr)):
         part = data[start:start + batch]
         path = work / f"layers-{tag}-{j:04d}.pt"
-        if not path.is_file():
+        # The last chunk grows when prompts are added to a finished run: made again then.
+        if not path.is_file() or len(torch.load(path)) != len(part):
             lengths = [len(ex["features"]) for ex in part]
             ids = torch.zeros(len(part), max(lengths), dtype=torch.long)
             mask = torch.zeros_like(ids)

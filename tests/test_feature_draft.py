@@ -225,6 +225,23 @@ def test_layered_draft_stores_its_fuse_and_layers(layered_draft):
         ["layers-0-0000.pt", "layers-0-0001.pt"]   # 32 answers in chunks of 16
 
 
+def test_layer_features_of_a_grown_last_chunk_are_made_again(tiny_checkpoints, tmp_path):
+    """24 answers fill chunks of 16 and 8; 8 more prompts fill the second chunk, whose
+    cached layer outputs (8) must be made again for its 16 answers."""
+    import torch
+
+    from specedge.export.distill import DistillConfig, distill
+
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature",
+                        head_tokens=16, prompts=24, new_tokens=8, generate_batch=16,
+                        epochs=1, batch=8, feature_layers=[0])
+    distill(tmp_path, cfg)
+    chunk = tmp_path / "work" / "layers-0-0001.pt"
+    assert len(torch.load(chunk)) == 8
+    distill(tmp_path, DistillConfig(**{**cfg.__dict__, "more_prompts": 8}))
+    assert len(torch.load(chunk)) == 16
+
+
 def test_layered_bundle_verifies_and_is_exact(layered_draft, tiny_checkpoints, tmp_path):
     manifest = export_bundle(str(tiny_checkpoints["llama"]), tmp_path / "b",
                              draft=str(layered_draft[0]), verify=True)
