@@ -303,8 +303,9 @@ def add_layer_features(model, data: list[dict], layers: tuple[int, ...], work: P
                                    file=sys.stderr)):
         part = data[start:start + batch]
         path = work / f"layers-{tag}-{j:04d}.pt"
+        cached = torch.load(path) if path.is_file() else []
         # The last chunk grows when prompts are added to a finished run: made again then.
-        if not path.is_file() or len(torch.load(path)) != len(part):
+        if len(cached) != len(part):
             lengths = [len(ex["features"]) for ex in part]
             ids = torch.zeros(len(part), max(lengths), dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -312,10 +313,10 @@ def add_layer_features(model, data: list[dict], layers: tuple[int, ...], work: P
                 ids[b, :n], mask[b, :n] = ex["ids"][:n].long(), 1
             out = target_layer_outputs(model, ids, mask, layers)
             both = torch.cat([out[i] for i in layers], dim=-1).to(torch.float16)
-            torch.save([both[b, :n].clone() for b, n in enumerate(lengths)],
-                       path.with_suffix(".tmp"))
+            cached = [both[b, :n].clone() for b, n in enumerate(lengths)]
+            torch.save(cached, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").rename(path)
-        for ex, f in zip(part, torch.load(path)):
+        for ex, f in zip(part, cached):
             ex["layer_features"] = f
 
 
