@@ -38,14 +38,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..bench.configs import load_prompts
 from .feature_draft import (
     FeatureDraft,
     check_feature_layers,
     feature_loss,
     target_layer_outputs,
 )
-from .self_prompts import self_prompts
+from .self_prompts import bench_requests, self_prompts
 
 DRAFT_META = "specedge_draft.json"
 DRAFT_KINDS = ("model", "feature")
@@ -264,9 +263,8 @@ def build_dataset(model, tokenizer, cfg: DistillConfig, work: Path) -> list[dict
                 data += _answers(model, tokenizer, cfg, work, chunk, first)
                 first += -(-len(chunk) // cfg.generate_batch)
     if cfg.self_prompts:
-        avoid = [p["prompt"].split("\n")[0] for p in load_prompts()]
         requests = self_prompts(model, tokenizer, cfg.self_prompts, cfg.seed,
-                                cfg.generate_batch, work, avoid)
+                                cfg.generate_batch, work, bench_requests())
         data += _answers(model, tokenizer, cfg, work, requests, first)
     return data
 

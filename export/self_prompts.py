@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..bench.configs import load_prompts
+
 REQUEST_TOKENS = 64
 MARK = "\x00specedge\x00"
 # Words too common in requests to tell two of them apart (see `content_words`).
@@ -29,6 +31,11 @@ have help into just know like make many more most much need only other should si
 such tell than that their them there these they this tips using want what when where which
 while will with would write your function program code python javascript sentence sentences
 passage summarize summary""".split())
+
+
+def bench_requests() -> list[str]:
+    """The bench prompts' first lines: what they ask, without a passage to summarize."""
+    return [p["prompt"].split("\n")[0] for p in load_prompts()]
 
 
 def turn_markers(tokenizer) -> tuple[str, str]:

@@ -9,9 +9,14 @@ import pytest
 import torch
 from tiny_models import SPECIALS, VOCAB, save_tiny
 
-from specedge.bench.configs import load_prompts
 from specedge.export.distill import DistillConfig, distill
-from specedge.export.self_prompts import close_to, content_words, pick_requests, turn_markers
+from specedge.export.self_prompts import (
+    bench_requests,
+    close_to,
+    content_words,
+    pick_requests,
+    turn_markers,
+)
 
 END = "<|im_end|>"
 
@@ -101,8 +106,7 @@ def test_distill_answers_the_target_written_requests_last(word_target, tmp_path)
     assert {k: now[k] for k in shards} == shards
     assert sorted(set(now) - set(shards)) == ["data-0002.pt", "data-0003.pt"]
     raw = [t for p in sorted(work.glob("requests-*.json")) for t in json.loads(p.read_text())]
-    bench = [p["prompt"].split("\n")[0] for p in load_prompts()]
-    requests = pick_requests(raw, "road", SPECIALS, bench, 10)
+    requests = pick_requests(raw, "road", SPECIALS, bench_requests(), 10)
     assert len(requests) == 10 and len(set(requests)) == 10
     assert all(len(r.split()) >= 3 and "<" not in r for r in requests)
     tok = AutoTokenizer.from_pretrained(word_target)
