@@ -45,7 +45,7 @@ class Sampling:
         """One token from one row of logits: argmax when greedy, else a draw from probs."""
         if self.greedy:
             x = int(np.argmax(logits))
-            if not np.isfinite(logits[x]):
+            if not math.isfinite(logits[x]):
                 raise ValueError("the model returned logits with no finite maximum (all "
                                  "masked or NaN): check the bundle's graphs")
             return x

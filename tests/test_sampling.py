@@ -298,6 +298,44 @@ def test_float32_logits_match_the_reference_on_their_values():
         np.testing.assert_array_equal(got[1], process_logits(logits[1], 0.7, top_k, top_p))
 
 
+@pytest.mark.parametrize("small", [0, 10**9])
+def test_python_and_numpy_walks_of_short_rows_agree_bit_for_bit(monkeypatch, small):
+    # Top-p ranks and sums short candidate lists, and sample walks short supports, in plain
+    # Python floats (sampling.SMALL); longer ones in numpy. Forcing every list down one
+    # path or the other must give the same probabilities and the same draws, ties included.
+    from specedge.runtime import sampling
+
+    rng = np.random.default_rng(11)
+    logits = np.round(rng.normal(size=(6, 5000)) * 6) / 2  # ties everywhere
+    logits[:, rng.integers(0, 5000, 30)] += 8
+    rows = [(logits, 0.8, 0.9), (logits.astype(np.float32), 0.7, 0.5),
+            (logits * 0.05, 1.0, 0.95)]  # flat: hundreds of candidates
+    want = [process_logits(x, t, top_p=p) for x, t, p in rows]
+    draws = [[sample(as_sparse(r), np.random.default_rng(j)) for j, r in enumerate(w)]
+             for w in want]
+    monkeypatch.setattr(sampling, "SMALL", small)
+    for (x, t, p), w, d in zip(rows, want, draws):
+        got = process_logits(x, t, top_p=p)
+        np.testing.assert_array_equal(got, w)
+        assert [sample(as_sparse(r), np.random.default_rng(j))
+                for j, r in enumerate(got)] == d
+        for r in got:
+            sparse = as_sparse(r)
+            for tok in (int(sparse.ids[0]), int(sparse.ids[-1]), 4999, 0):
+                assert sparse.at(tok) == r[tok]
+
+
+def test_float16_logits_keep_every_candidate():
+    # The candidates' cut is compared in the row's dtype; float16 rounds it most coarsely.
+    rng = np.random.default_rng(12)
+    logits = (rng.normal(size=(4, 49152)) * 4).astype(np.float16)
+    for top_p in (0.9, 0.999):
+        got = process_logits(logits, 0.7, top_p=top_p)
+        want = hf_reference(logits.astype(np.float64), 0.7, 0, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
 def test_integer_logits_are_read_as_floats():
     for top_p in (1.0, 0.9):
         np.testing.assert_allclose(process_logits([1, 2, 3], 1.0, top_p=top_p),
