@@ -56,35 +56,35 @@ def _hf_models(bundle: Path):
     return target, draft
 
 
-def run_transformers(bundle: Path, prompt_ids: list[list[int]], max_new_tokens: int,
-                     text_ids: list[int]) -> dict:
-    """transformers plain greedy and assisted generation (the bundle's draft as assistant)."""
+def transformers_systems(bundle: Path, max_new_tokens: int, text_ids: list[int]) -> dict:
+    """transformers plain greedy and assisted generation (the bundle's draft as assistant),
+    as `time_systems` takes them."""
+    names = ("transformers plain", "transformers assisted")
     if importlib.util.find_spec("torch") is None:
-        return {"skipped": "torch / transformers not installed (pip install -e '.[export]')"}
+        return {name: {"skipped": "torch / transformers not installed "
+                                  "(pip install -e '.[export]')"} for name in names}
     import torch
 
     target, draft = _hf_models(bundle)
     with torch.no_grad():
         logits = target(torch.tensor([text_ids])).logits[0].float().numpy()
-    results = {}
-    for name, assistant in (("transformers plain", None), ("transformers assisted", draft)):
-        if name.endswith("assisted") and assistant is None:
-            results[name] = {"skipped": "the bundle has no draft that transformers can run "
-                                        "(a feature draft reads the target's features)"}
-            continue
-        tokens, seconds = 0, 0.0
-        for ids in prompt_ids:
-            kwargs = {"assistant_model": assistant} if assistant is not None else {}
+    quality = perplexity(logits, text_ids)  # assisted generation samples the target too
+
+    def system(assistant) -> dict:
+        kwargs = {"assistant_model": assistant} if assistant is not None else {}
+
+        def generate(ids: list[int]) -> int:
             with torch.no_grad():
-                t0 = time.perf_counter()
                 out = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                      min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
-                seconds += time.perf_counter() - t0
-            tokens += out.shape[1] - len(ids)
-        results[name] = {"tokens": tokens, "seconds": seconds,
-                         "tokens_per_second": tokens / seconds,
-                         "perplexity": perplexity(logits, text_ids)}
-    return results
+                                      min_new_tokens=max_new_tokens, do_sample=False,
+                                      **kwargs)
+            return out.shape[1] - len(ids)
+        return {"generate": generate, "perplexity": quality}
+
+    return {names[0]: system(None),
+            names[1]: system(draft) if draft is not None else {
+                "skipped": "the bundle has no draft that transformers can run (a feature "
+                           "draft reads the target's features)"}}
 
 
 def _llama_cpp_batch(gguf: Path, threads: int) -> int:
@@ -103,10 +103,10 @@ def _llama_cpp_batch(gguf: Path, threads: int) -> int:
     return 512 if done.returncode == 0 else 1
 
 
-def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens: int,
-                  threads: int, text_ids: list[int]) -> dict:
-    """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, timed end to end
-    (prompt evaluation included) like the other systems."""
+def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
+                      text_ids: list[int]) -> dict:
+    """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, as `time_systems`
+    takes it."""
     if importlib.util.find_spec("llama_cpp") is None:
         return {"llama.cpp plain": {"skipped": "llama-cpp-python not installed "
                                                "(bash scripts/install_llama_cpp.sh)"}}
@@ -115,24 +115,53 @@ def run_llama_cpp(gguf: Path | None, prompt_ids: list[list[int]], max_new_tokens
     from llama_cpp import Llama
 
     n_batch = _llama_cpp_batch(gguf, threads)
+    # Every position's logits, for the perplexity: slower, so not the timed instance.
+    scorer = Llama(model_path=str(gguf), n_ctx=len(text_ids), n_threads=threads,
+                   n_batch=n_batch, logits_all=True, verbose=False)
+    scorer.eval(text_ids)
+    quality = perplexity(np.asarray(scorer.scores[:len(text_ids)]), text_ids)
+    del scorer
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=n_batch,
                 verbose=False)
-    tokens, seconds = 0, 0.0
-    for ids in prompt_ids:
+
+    def generate(ids: list[int]) -> int:
         llm.reset()
-        t0 = time.perf_counter()
         for n, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True),
                               start=1):
             if n >= max_new_tokens:
                 break
-        seconds += time.perf_counter() - t0
-        tokens += n
-    del llm
-    # Every position's logits, for the perplexity: slower, so not in the timed instance.
-    llm = Llama(model_path=str(gguf), n_ctx=len(text_ids), n_threads=threads,
-                n_batch=n_batch, logits_all=True, verbose=False)
-    llm.eval(text_ids)
-    logits = np.asarray(llm.scores[:len(text_ids)])
-    return {"llama.cpp plain": {"tokens": tokens, "seconds": seconds,
-                                "tokens_per_second": tokens / seconds, "n_batch": n_batch,
-                                "perplexity": perplexity(logits, text_ids)}}
+        return n
+
+    return {"llama.cpp plain": {"generate": generate, "perplexity": quality,
+                                "n_batch": n_batch}}
+
+
+def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]]) -> dict[str, dict]:
+    """Each system's tokens per second, end to end (prompt evaluation included), on the same
+    prompt ids. A system is a dict with `generate` (prompt ids -> tokens generated) and what
+    to report with it, or with `skipped`: the reason it is not timed.
+
+    The systems take turns prompt by prompt, the first of them changing every prompt, so the
+    machine's drift over the run falls on all of them alike. Run one after another (llama.cpp
+    after ours), llama.cpp's ratio to ours was 0.99x and 1.54x in two runs of the same code
+    within an hour. Each system generates once, untimed, to warm up.
+    """
+    timed = [name for name, s in systems.items() if "generate" in s]
+    for name in timed:
+        systems[name]["generate"](prompt_ids[0])
+    totals = {name: [0, 0.0] for name in timed}
+    for i, ids in enumerate(prompt_ids):
+        turn = i % len(timed) if timed else 0
+        for name in timed[turn:] + timed[:turn]:
+            t0 = time.perf_counter()
+            tokens = systems[name]["generate"](ids)
+            totals[name][1] += time.perf_counter() - t0
+            totals[name][0] += tokens
+    results = {}
+    for name, system in systems.items():
+        results[name] = {k: v for k, v in system.items() if k != "generate"}
+        if name in totals:
+            tokens, seconds = totals[name]
+            results[name].update(tokens=tokens, seconds=seconds,
+                                 tokens_per_second=tokens / seconds)
+    return results

@@ -33,7 +33,11 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(
             f"{row['by_category'][c] / plain[c]:.2f}x" if c in row["by_category"] else "-"
             for c in cats) + " |")
+    best = results["systems"]["specedge best"]["configuration"]
     lines += ["", f"## Systems (greedy, first {results['systems_prompts']} prompts)", "",
+              f"End to end, prompt evaluation included; the systems take turns prompt by "
+              f"prompt. specedge best: {best}, the fastest greedy configuration above on "
+              f"these prompts.", "",
               f"Perplexity: each system's own weights on the prompt set's passages "
               f"({results['quality_tokens']} tokens, the same ids for all).", "",
               "| system | tok/s | ours / system | perplexity |", "|---|---|---|---|"]

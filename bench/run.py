@@ -43,6 +43,14 @@ def _gguf(bundle: Path) -> Path | None:
     return None
 
 
+def _ours(gen: Generator, kwargs: dict, max_new_tokens: int, quality: float) -> dict:
+    """One of our configurations as a system for `baselines.time_systems`."""
+    def generate(ids: list[int]) -> int:
+        out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, **kwargs)
+        return out.stats["tokens_generated"]
+    return {"generate": generate, "perplexity": quality}
+
+
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
@@ -74,17 +82,19 @@ def run(args: argparse.Namespace) -> dict:
     text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.max_context()]
     # on ONNX Runtime CPU whatever the bench's backend: a property of the graph
     ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads), text_ids)
-    systems = {"specedge plain": {"tokens_per_second": end_to_end["greedy/plain"],
-                                  "perplexity": ours},
-               "specedge best": {"tokens_per_second": end_to_end[best], "configuration": best,
-                                 "perplexity": ours}}
+    kwargs = dict(configs)
+    systems = {"specedge plain": _ours(gen, kwargs["greedy/plain"], args.max_new_tokens, ours),
+               "specedge best": {**_ours(gen, kwargs[best], args.max_new_tokens, ours),
+                                 "configuration": best}}
     if not args.no_baselines:
-        ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
-               for p in prompts[:n]]
-        systems.update(baselines.run_transformers(args.bundle, ids, args.max_new_tokens,
-                                                  text_ids))
-        systems.update(baselines.run_llama_cpp(_gguf(args.bundle), ids, args.max_new_tokens,
-                                               args.threads or os.cpu_count() or 1, text_ids))
+        systems.update(baselines.transformers_systems(args.bundle, args.max_new_tokens,
+                                                      text_ids))
+        systems.update(baselines.llama_cpp_systems(_gguf(args.bundle), args.max_new_tokens,
+                                                   args.threads or os.cpu_count() or 1,
+                                                   text_ids))
+    ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
+           for p in prompts[:n]]
+    systems = baselines.time_systems(systems, ids)
     return {"bundle": str(args.bundle), "backend": args.backend,
             "precision": gen.bundle.manifest.get("precision"),
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

@@ -21,9 +21,14 @@ too high and kept K at 0 (drafters.py, `caught_up`).
 
 The beta_i and d are measured over the recent steps of the same source of drafts (a
 drafter's `source`: lookup+model has two, a lookup span and the model) and sampling mode,
-v(T) over every source of that mode, across generations (`StepHistory`): counts decay with
-age (a window of about HISTORY steps), so a new generation starts from what the last ones
-measured instead of from a prior, yet auto follows a change of task within a generation.
+v(T) over every source of that mode, across generations (`StepHistory`), so a new
+generation starts from what the last ones measured instead of from a prior. A position's
+counts decay each time it is examined again (a window of about HISTORY tries), so auto
+follows a change of task within a generation, yet a position that auto stopped drafting
+keeps what it last measured. Decaying them with every step instead left a model source at
+K = 0 with the few tries of its probes and the prior, so an unlucky run of probes held it
+there: on chat prompts, 70% of its steps at K = 0, 8% slower than a fixed K = 1 (README,
+"auto").
 Each beta_i is smoothed towards the rate pooled over positions, which is smoothed by a
 prior. A T not measured yet is estimated linearly from the T that are. A K is only
 measured where it is used, so every PROBE_EVERY steps auto tries one K more, and half-way
@@ -33,12 +38,14 @@ distribution but not the exact text of a sampled generation.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
-
-import numpy as np
+from itertools import accumulate
 
 from .stats import examined_positions
 
+# Python floats, not numpy: auto runs between two model calls on lists of AUTO_MAX_K, where
+# every numpy call is cold and costs tens of microseconds (README, "cold numpy calls").
 AUTO_MAX_K = 8
 # Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7),
 # a small draft cost and a moderate growth of the verification cost with T, so the first
@@ -47,9 +54,13 @@ PRIOR_EXAMINED, PRIOR_ACCEPTED = 4.0, 2.8
 PRIOR_C = 0.1          # d / v(1)
 PRIOR_SLOPE = 0.15     # (v(T) - v(1)) / (v(1) (T - 1)) until two T are measured
 POSITION_WEIGHT = 4.0  # pseudo-observations of the pooled rate in each position's rate
-HISTORY = 64           # steps: acceptance counts decay by 1 - 1 / HISTORY per step
+HISTORY = 64           # tries: a position's counts decay by 1 - 1 / HISTORY per try
 SMOOTHING = 0.2        # weight of a new observation in the running cost estimates
-PROBE_EVERY = 16
+# A probe drafts a K that the estimates rate lower, and usually is: a K = 2 or K = 0 step of
+# the SmolLM2 feature draft yields about 0.8x the tokens per second of its K = 1. With
+# acceptance counts kept per try, probing every 64 steps instead of 16 ran the bench's
+# prompts 1-3% faster (scripts/ab_runtime.py, README "auto").
+PROBE_EVERY = 64
 
 
 def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[float],
@@ -57,7 +68,8 @@ def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[floa
     """The K in [0, k_max] with the highest rate(K) (smallest K on ties). betas[i - 1] is
     beta_i for i = 1 .. k_max; verify_cost[T] is v(T) for T = 1 .. k_max + 1 (index 0
     unused), in the unit of `draft_cost`."""
-    expected = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(betas[:k_max]))])
+    prefix = accumulate(betas[:k_max], lambda product, beta: product * beta)
+    expected = list(accumulate(prefix, initial=1.0))
     return max(range(k_max + 1),
                key=lambda k: (expected[k] / (k * draft_cost + verify_cost[k + 1]), -k))
 
@@ -68,7 +80,7 @@ def _smooth(old: float | None, new: float) -> float:
 
 class StepHistory:
     """Recent steps of one source of drafts and sampling mode: running estimates of v(T)
-    and d, in seconds, and acceptance counts per draft position that decay with age.
+    and d, in seconds, and acceptance counts per draft position that decay with each try.
     `verify` may be shared by the sources of one target and sampling mode: what a target
     step costs does not depend on who drafted its tokens, and pooled it is measured more
     often."""
@@ -76,8 +88,8 @@ class StepHistory:
     def __init__(self, verify: dict[int, float] | None = None) -> None:
         self.verify: dict[int, float] = {} if verify is None else verify
         self.draft: float | None = None
-        self.tries = np.zeros(AUTO_MAX_K)
-        self.accepts = np.zeros(AUTO_MAX_K)
+        self.tries = [0.0] * AUTO_MAX_K
+        self.accepts = [0.0] * AUTO_MAX_K
         self.steps = 0
 
     def observe(self, drafted: int, accepted: int, seconds: float, draft_seconds: float = 0.0,
@@ -88,18 +100,17 @@ class StepHistory:
         self.verify[t] = _smooth(self.verify.get(t), seconds)
         if draft_calls:
             self.draft = _smooth(self.draft, draft_seconds / draft_calls)
-        examined = min(examined_positions(drafted, accepted), AUTO_MAX_K)
-        self.tries *= 1.0 - 1.0 / HISTORY
-        self.accepts *= 1.0 - 1.0 / HISTORY
-        self.tries[:examined] += 1.0
-        self.accepts[:min(accepted, AUTO_MAX_K)] += 1.0
+        keep = 1.0 - 1.0 / HISTORY
+        for i in range(min(examined_positions(drafted, accepted), AUTO_MAX_K)):
+            self.tries[i] = self.tries[i] * keep + 1.0
+            self.accepts[i] = self.accepts[i] * keep + (i < accepted)
         self.steps += 1
 
-    def betas(self, k_max: int) -> np.ndarray:
+    def betas(self, k_max: int) -> list[float]:
         """beta_1 .. beta_k_max, smoothed as the module docstring says."""
-        pooled = (self.accepts.sum() + PRIOR_ACCEPTED) / (self.tries.sum() + PRIOR_EXAMINED)
-        return np.minimum((self.accepts[:k_max] + POSITION_WEIGHT * pooled) /
-                          (self.tries[:k_max] + POSITION_WEIGHT), 0.999)
+        pooled = (sum(self.accepts) + PRIOR_ACCEPTED) / (sum(self.tries) + PRIOR_EXAMINED)
+        return [min((a + POSITION_WEIGHT * pooled) / (n + POSITION_WEIGHT), 0.999)
+                for a, n in zip(self.accepts[:k_max], self.tries[:k_max])]
 
     def verify_costs(self, t_max: int) -> list[float]:
         """v(T) for T = 0 .. t_max (v(0) unused): measured where it was, interpolated
@@ -120,7 +131,12 @@ class StepHistory:
             elif t > ts[-1]:
                 costs.append(vs[-1] + high * (t - ts[-1]))
             else:
-                costs.append(float(np.interp(t, ts, vs)))
+                j = bisect_left(ts, t)   # ts[j - 1] < t <= ts[j]
+                if ts[j] == t:
+                    costs.append(vs[j])
+                else:
+                    share = (t - ts[j - 1]) / (ts[j] - ts[j - 1])
+                    costs.append(vs[j - 1] + share * (vs[j] - vs[j - 1]))
         return costs
 
     def draft_cost(self, verify_one: float) -> float:

@@ -4,7 +4,7 @@ A change to the host side of a step moves it by a few percent, less than these m
 vary from run to run, so both runtimes run in one process, prompt by prompt, alternating
 which goes first, on the same bundle:
 
-    python scripts/ab_runtime.py --base REV [--bundle DIR] [--prompts 32]
+    python scripts/ab_runtime.py --base REV [--bundle DIR] [--prompts 32] [--configs NAME ...]
 
 Prints, per configuration, tokens per second of each and their ratio, the share of decode
 time outside the backends (and its microseconds per target call), and in how many
@@ -28,9 +28,10 @@ from pathlib import Path
 from specedge.bench.configs import configurations, load_prompts
 from specedge.runtime import Generator
 
-# The bench's own configurations (bench/configs.py) that a host-side change moves most.
-CONFIGS = [c for c in configurations([1], has_draft=True) if c[0] in (
-    "greedy/plain", "sampled/plain", "greedy/lookup+model K=1", "sampled/lookup+model K=1")]
+# By default, the bench's own configurations (bench/configs.py) that a host-side change
+# moves most.
+DEFAULT_CONFIGS = ["greedy/plain", "sampled/plain", "greedy/lookup+model K=1",
+                   "sampled/lookup+model K=1"]
 
 
 def base_generator(rev: str, into: Path):
@@ -48,11 +49,12 @@ def base_generator(rev: str, into: Path):
     return importlib.import_module("specedge_base.runtime").Generator
 
 
-def run(gens: dict, prompts: list[dict], max_new_tokens: int) -> dict:
+def run(gens: dict, configs: list[tuple[str, dict]], prompts: list[dict],
+        max_new_tokens: int) -> dict:
     """Decode-time totals per (configuration, runtime); the first prompt only warms up."""
     totals: dict[tuple[str, str], dict] = {}
     for i, prompt in enumerate(prompts):
-        for name, kwargs in CONFIGS:
+        for name, kwargs in configs:
             for which in ("base", "work") if i % 2 else ("work", "base"):
                 out = gens[which].generate(prompt["prompt"], seed=i,
                                            max_new_tokens=max_new_tokens, **kwargs)
@@ -74,16 +76,23 @@ def main() -> None:
     ap.add_argument("--bundle", default="bundles/smollm2-feature-int8")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME",
+                    help="bench configurations to run, by name (`specedge bench` prints them)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args()
+    known = dict(configurations([1], has_draft=True))
+    unknown = [name for name in args.configs if name not in known]
+    if unknown:
+        ap.error(f"unknown configuration {unknown}; known: {', '.join(known)}")
+    configs = [(name, known[name]) for name in args.configs]
 
     with tempfile.TemporaryDirectory() as tmp:  # kept while base runs: it may import lazily
         gens = {"base": base_generator(args.base, Path(tmp)).from_bundle(args.bundle),
                 "work": Generator.from_bundle(args.bundle)}
-        totals = run(gens, load_prompts(args.prompts), args.max_new_tokens)
+        totals = run(gens, configs, load_prompts(args.prompts), args.max_new_tokens)
 
     rows = []
-    for name, _ in CONFIGS:
+    for name, _ in configs:
         row = {"configuration": name}
         for which in ("base", "work"):
             t = totals[name, which]

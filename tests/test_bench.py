@@ -45,8 +45,12 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
         assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
         assert row["measured_over_ideal"] > 0
     assert len(configs["greedy/draft K=3"]["acceptance_per_position"]) == 3
-    assert results["systems"]["specedge best"]["tokens_per_second"] >= \
-        results["systems"]["specedge plain"]["tokens_per_second"]
+    best = results["systems"]["specedge best"]["configuration"]
+    assert best.startswith("greedy/") and best in configs
+    for name in ("specedge plain", "specedge best"):  # timed again, taking turns
+        system = results["systems"][name]
+        assert system["tokens"] > 0
+        assert system["tokens_per_second"] == system["tokens"] / system["seconds"]
     # The tiny model is untrained: its perplexity is near its vocabulary size, not 1.
     ppl = results["systems"]["specedge plain"]["perplexity"]
     assert 10 < ppl < 1e4 and results["systems"]["specedge best"]["perplexity"] == ppl
@@ -58,6 +62,29 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
     assert "| greedy/draft K=2 |" in printed
     assert "| configuration | chat |" in printed and "| greedy/plain | 1.00x |" in printed
     assert f"| 1.00x | {ppl:.2f} |" in printed
+
+
+def test_systems_take_turns_prompt_by_prompt():
+    """Every system generates once to warm up, then once per prompt, the first of them
+    changing each prompt; a skipped system is reported, not run."""
+    from specedge.bench.baselines import time_systems
+
+    calls = []
+
+    def system(name, tokens):
+        def generate(ids):
+            calls.append((name, ids[0]))
+            return tokens
+        return {"generate": generate, "perplexity": 1.5}
+
+    systems = {"a": system("a", 3), "b": system("b", 5), "c": {"skipped": "not installed"}}
+    results = time_systems(systems, [[0], [1], [2]])
+    assert calls == [("a", 0), ("b", 0),                          # warm-up
+                     ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert results["a"]["tokens"] == 9 and results["b"]["tokens"] == 15
+    assert results["a"]["tokens_per_second"] == 9 / results["a"]["seconds"]
+    assert results["a"]["perplexity"] == 1.5 and "generate" not in results["a"]
+    assert results["c"] == {"skipped": "not installed"}
 
 
 def test_perplexity_of_known_distributions():

@@ -313,15 +313,36 @@ def test_history_counts_acceptance_per_position_with_decay():
         history.observe(drafted=3, accepted=3, seconds=0.01)
     betas = history.betas(4)
     decay = 1 - 1 / HISTORY
-    # Position 1 was examined every step and accepted every other one; counts decay with age.
+    # Position 1 was examined every step and accepted every other one; its counts decay
+    # with each try. Positions 2 and 3 were examined (and accepted) on every other step.
     tries = sum(decay ** a for a in range(100))
     accepts = sum(decay ** a for a in range(0, 100, 2))
     assert history.tries[0] == pytest.approx(tries)
     assert history.accepts[0] == pytest.approx(accepts)
-    pooled = (history.accepts.sum() + 2.8) / (history.tries.sum() + 4)
+    assert history.tries[1] == pytest.approx(sum(decay ** a for a in range(50)))
+    assert history.accepts[1] == history.tries[1]
+    pooled = (sum(history.accepts) + 2.8) / (sum(history.tries) + 4)
     assert betas[0] == pytest.approx((accepts + 4 * pooled) / (tries + 4))
     assert betas[1] > 0.95 and betas[2] > 0.95
     assert betas[3] == pytest.approx(pooled)   # never tried: the pooled rate
+
+
+def test_history_keeps_the_acceptance_of_a_position_no_longer_drafted():
+    """Steps at K = 0 examine no position: beta_1 stays what the last tries measured
+    instead of sliding to the prior, and the next tries move it at the rate of one try
+    in HISTORY."""
+    from specedge.runtime.draft_length import HISTORY, StepHistory
+
+    history = StepHistory()
+    for step in range(300):
+        history.observe(drafted=1, accepted=step % 3 == 0, seconds=0.01)
+    before = history.betas(1)[0]
+    assert 0.3 < before < 0.37
+    for _ in range(500):
+        history.observe(drafted=0, accepted=0, seconds=0.01)
+    assert history.betas(1)[0] == before
+    history.observe(drafted=1, accepted=1, seconds=0.01)
+    assert before < history.betas(1)[0] < before + 1.5 / HISTORY
 
 
 def test_history_measures_interpolates_and_extrapolates_costs():
