@@ -136,7 +136,8 @@ def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
                                 "n_batch": n_batch}}
 
 
-def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]]) -> dict[str, dict]:
+def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]],
+                 progress=None) -> dict[str, dict]:
     """Each system's tokens per second, end to end (prompt evaluation included), on the same
     prompt ids. A system is a dict with `generate` (prompt ids -> tokens generated) and what
     to report with it, or with `skipped`: the reason it is not timed.
@@ -144,11 +145,14 @@ def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]]) -> dict[
     The systems take turns prompt by prompt, the first of them changing every prompt, so the
     machine's drift over the run falls on all of them alike. Run one after another (llama.cpp
     after ours), llama.cpp's ratio to ours was 0.99x and 1.54x in two runs of the same code
-    within an hour. Each system generates once, untimed, to warm up.
+    within an hour. Each system generates once, untimed, to warm up. `progress` (a tqdm bar)
+    is advanced once per generation.
     """
     timed = [name for name, s in systems.items() if "generate" in s]
     for name in timed:
         systems[name]["generate"](prompt_ids[0])
+        if progress:
+            progress.update()
     totals = {name: [0, 0.0] for name in timed}
     for i, ids in enumerate(prompt_ids):
         turn = i % len(timed) if timed else 0
@@ -157,6 +161,8 @@ def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]]) -> dict[
             tokens = systems[name]["generate"](ids)
             totals[name][1] += time.perf_counter() - t0
             totals[name][0] += tokens
+            if progress:
+                progress.update()
     results = {}
     for name, system in systems.items():
         results[name] = {k: v for k, v in system.items() if k != "generate"}

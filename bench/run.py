@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> dict:
                                                    text_ids))
     ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
            for p in prompts[:n]]
-    systems = baselines.time_systems(systems, ids)
+    timed = sum("generate" in system for system in systems.values())
+    with tqdm(total=timed * (len(ids) + 1), desc="systems", unit="run", file=sys.stderr) as bar:
+        systems = baselines.time_systems(systems, ids, bar)
     return {"bundle": str(args.bundle), "backend": args.backend,
             "precision": gen.bundle.manifest.get("precision"),
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
