@@ -45,7 +45,8 @@ from itertools import accumulate
 from .stats import examined_positions
 
 # Python floats, not numpy: auto runs between two model calls on lists of AUTO_MAX_K, where
-# every numpy call is cold and costs tens of microseconds (README, "cold numpy calls").
+# every numpy call is cold and costs tens of microseconds (README, "What a numpy call
+# costs after a model call").
 AUTO_MAX_K = 8
 # Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7),
 # a small draft cost and a moderate growth of the verification cost with T, so the first
