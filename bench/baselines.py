@@ -20,6 +20,9 @@ from specedge.runtime.stats import perplexity
 from specedge.runtime.text import TextCodec
 
 QUALITY_TOKENS = 512
+# Candidates per step for transformers' prompt lookup (Saxena 2023), which has no default:
+# the top of the range TensorRT-LLM's prompt-lookup guide calls common (4-10).
+PROMPT_LOOKUP_TOKENS = 10
 
 
 def quality_text_ids(codec: TextCodec, prompts: list[dict]) -> list[int]:
@@ -57,9 +60,11 @@ def _hf_models(bundle: Path):
 
 
 def transformers_systems(bundle: Path, max_new_tokens: int, text_ids: list[int]) -> dict:
-    """transformers plain greedy and assisted generation (the bundle's draft as assistant),
-    as `time_systems` takes them."""
-    names = ("transformers plain", "transformers assisted")
+    """transformers plain greedy and its assisted generation, with the bundle's draft as
+    assistant and with prompt lookup, as `time_systems` takes them. Prompt lookup needs no
+    draft, so a bundle whose draft transformers cannot run (a feature draft) is still
+    compared with transformers' speculative decoding."""
+    names = ("transformers plain", "transformers assisted", "transformers prompt lookup")
     if importlib.util.find_spec("torch") is None:
         return {name: {"skipped": "torch / transformers not installed "
                                   "(pip install -e '.[export]')"} for name in names}
@@ -70,9 +75,7 @@ def transformers_systems(bundle: Path, max_new_tokens: int, text_ids: list[int])
         logits = target(torch.tensor([text_ids])).logits[0].float().numpy()
     quality = perplexity(logits, text_ids)  # assisted generation samples the target too
 
-    def system(assistant) -> dict:
-        kwargs = {"assistant_model": assistant} if assistant is not None else {}
-
+    def system(**kwargs) -> dict:
         def generate(ids: list[int]) -> int:
             with torch.no_grad():
                 out = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
@@ -81,10 +84,11 @@ def transformers_systems(bundle: Path, max_new_tokens: int, text_ids: list[int])
             return out.shape[1] - len(ids)
         return {"generate": generate, "perplexity": quality}
 
-    return {names[0]: system(None),
-            names[1]: system(draft) if draft is not None else {
+    return {names[0]: system(),
+            names[1]: system(assistant_model=draft) if draft is not None else {
                 "skipped": "the bundle has no draft that transformers can run (a feature "
-                           "draft reads the target's features)"}}
+                           "draft reads the target's features)"},
+            names[2]: system(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)}
 
 
 def _llama_cpp_batch(gguf: Path, threads: int) -> int:

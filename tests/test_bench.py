@@ -115,6 +115,30 @@ def test_quality_text_is_the_summaries_passages():
         quality_text_ids(Words(), [p for p in prompts if p["category"] != "summarize"])
 
 
+def test_transformers_systems_run_plain_and_both_assisted_kinds(tiny_bundle, monkeypatch):
+    """The draft as assistant and prompt lookup both go through transformers' assisted
+    decoding, and every system generates the requested tokens."""
+    from transformers.generation.utils import GenerationMixin
+
+    from specedge.bench.baselines import transformers_systems
+
+    assisted = []
+    original = GenerationMixin._assisted_decoding
+
+    def spy(self, *args, **kwargs):
+        assisted.append(kwargs.get("assistant_model") is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", spy)
+    systems = transformers_systems(tiny_bundle, 9, [3 + i % 20 for i in range(40)])
+    assert set(systems) == {"transformers plain", "transformers assisted",
+                            "transformers prompt lookup"}
+    counts = [systems[name]["generate"]([5, 6, 7, 5, 6, 7, 5, 6]) for name in systems]
+    assert counts == [9, 9, 9]
+    assert assisted == [True, False]  # plain decoding does not assist itself
+    assert all(10 < system["perplexity"] < 1e4 for system in systems.values())
+
+
 def test_aggregate_uses_ratios_of_sums():
     a = {"tokens_generated": 11, "target_calls": 10, "draft_calls": 20, "drafted_tokens": 20,
          "accepted_tokens": 0, "time_total_s": 2.0, "time_prefill_s": 1.0, "time_draft_s": 0.2,
