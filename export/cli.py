@@ -76,7 +76,7 @@ def run_distill(args: argparse.Namespace) -> None:
                         head_tokens=args.head_tokens, prompts=args.prompts,
                         varied_prompts=args.varied_prompts,
                         more_prompts=args.more_prompts, self_prompts=args.self_prompts,
-                        feature_layers=args.feature_layers,
+                        feature_layers=args.feature_layers, mlp_width=args.mlp_width,
                         new_tokens=args.new_tokens, epochs=args.epochs, seed=args.seed)
     try:
         meta = distill(args.out, cfg)

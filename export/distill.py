@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from .draft import check_mlp_width, copy_layer
 from .feature_draft import (
     FeatureDraft,
     check_feature_layers,
@@ -182,6 +183,7 @@ class DistillConfig:
     # A feature draft's earlier target layers (export/feature_draft.py); not data settings:
     # their outputs are computed from the answers afterwards (add_layer_features).
     feature_layers: list[int] = field(default_factory=list)
+    mlp_width: int | None = None  # neurons of each draft layer's MLP; None: the target's
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
                    "seed", "top_k", "varied_prompts", "more_prompts", "self_prompts")
@@ -330,18 +332,21 @@ def head_token_ids(data: list[dict], count: int, vocab_size: int) -> torch.Tenso
     return torch.sort(torch.topk(freq, count).indices).values
 
 
-def make_draft(target, layers: int):
-    """A `layers`-layer model of the target's width, initialised from target layers."""
+def make_draft(target, layers: int, mlp_width: int | None = None):
+    """A `layers`-layer model of the target's width, initialised from target layers; its
+    MLPs `mlp_width` neurons wide (None: as wide as the target's)."""
     from transformers import AutoModelForCausalLM
 
     config = target.config.__class__.from_dict(target.config.to_dict())
     config.num_hidden_layers = layers
+    check_mlp_width(config, mlp_width)
+    config.intermediate_size = mlp_width or config.intermediate_size
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
     config.tie_word_embeddings = True
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for mine, theirs in zip(draft.model.layers, target.model.layers):
-        mine.load_state_dict(theirs.state_dict())
+        copy_layer(mine, theirs)
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
     # The target's embedding table, shared and frozen; the tied head reads the same rows.
     draft.model.embed_tokens.weight = target.model.embed_tokens.weight
@@ -353,8 +358,8 @@ def make_draft(target, layers: int):
 def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):
     """The untrained draft that `cfg` describes, scoring `head_ids`."""
     if cfg.kind == "feature":
-        return FeatureDraft(target, head_ids, cfg.feature_layers)
-    draft = make_draft(target, cfg.layers)
+        return FeatureDraft(target, head_ids, cfg.feature_layers, cfg.mlp_width)
+    draft = make_draft(target, cfg.layers, cfg.mlp_width)
     attach_head(draft, head_ids)
     return draft
 
@@ -470,7 +475,8 @@ def save_draft(draft, head_ids: torch.Tensor, out: Path, meta: dict) -> dict:
     save_file(weights, str(out / DRAFT_WEIGHTS))
     (out / DRAFT_WEIGHTS).chmod(0o644)
     meta = {**meta, "kind": "feature" if isinstance(draft, FeatureDraft) else "model",
-            "num_layers": draft.config.num_hidden_layers, "head_token_ids": head_ids.tolist()}
+            "num_layers": draft.config.num_hidden_layers,
+            "mlp_width": draft.config.intermediate_size, "head_token_ids": head_ids.tolist()}
     if getattr(draft, "feature_layers", ()):
         meta["feature_layers"] = list(draft.feature_layers)
     (out / DRAFT_META).write_text(json.dumps(meta, indent=1))
@@ -508,9 +514,10 @@ def load_draft(path: Path, target, target_tokenizer):
     meta = check_distilled_draft(path, target_tokenizer)
     head_ids = torch.tensor(meta["head_token_ids"])
     if meta.get("kind", "model") == "feature":
-        draft = FeatureDraft(target, head_ids, meta.get("feature_layers", ()))
+        draft = FeatureDraft(target, head_ids, meta.get("feature_layers", ()),
+                             meta.get("mlp_width"))
     else:
-        draft = make_draft(target, meta["num_layers"])
+        draft = make_draft(target, meta["num_layers"], meta.get("mlp_width"))
         attach_head(draft, head_ids)
     state = {k: v.float() for k, v in load_file(str(path / DRAFT_WEIGHTS)).items()}
     missing, unexpected = draft.load_state_dict(state, strict=False)
@@ -539,8 +546,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     # Generated data is reused only for the same data settings; a training state only for
     # the same settings altogether (otherwise training starts over on the cached data).
     # Data made without --self-prompts (or without both --more-prompts and --self-prompts)
-    # may gain them: their shards come last. A setting added since the data was made reads
-    # as its default, which is what that version did.
+    # may gain them: their shards come last. A setting added since the data or the training
+    # state was made reads as its default, which is what that version did.
     data_path, run_path = work / "data-settings.json", work / "settings.json"
     if data_path.is_file():
         made = {**DistillConfig().data_settings(), **json.loads(data_path.read_text())}
@@ -550,7 +557,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
             raise ValueError(f"{work} holds data generated with other settings; use another "
                              "--out or delete it")
     data_path.write_text(json.dumps(cfg.data_settings(), indent=1))
-    if run_path.is_file() and json.loads(run_path.read_text()) != asdict(cfg):
+    if run_path.is_file() and {**asdict(DistillConfig()),
+                               **json.loads(run_path.read_text())} != asdict(cfg):
         (work / "train.pt").unlink(missing_ok=True)
     run_path.write_text(json.dumps(asdict(cfg), indent=1))
     torch.manual_seed(cfg.seed)
@@ -559,6 +567,7 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
         raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
     # Before the answers, which can take hours, rather than when the draft is built.
     check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
+    check_mlp_width(target.config, cfg.mlp_width)
     t0 = time.time()
     data = build_dataset(target, tokenizer, cfg, work)
     head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 
@@ -32,6 +33,35 @@ def truncated_draft(target: nn.Module, layers: int) -> nn.Module:
         if getattr(draft.config, "layer_types", None):
             draft.config.layer_types = draft.config.layer_types[:layers]
     return draft
+
+
+def check_mlp_width(config, width: int | None) -> None:
+    """A distilled draft's MLP may be narrower than the target's, not wider (None: as wide)."""
+    full = config.intermediate_size
+    if width is not None and (isinstance(width, bool) or not 1 <= width <= full):
+        raise ValueError(f"--mlp-width must be in [1, {full}] for this target (the width of "
+                         f"its MLP), got {width!r}")
+
+
+def copy_layer(mine: nn.Module, theirs: nn.Module) -> None:
+    """Load the target's decoder layer `theirs` into the draft's layer `mine`.
+
+    A narrower draft MLP keeps the target's neurons j with the largest
+    ||gate_j|| ||up_j|| ||down_j|| (magnitude pruning): neuron j adds
+    down_j silu(gate_j . x) (up_j . x), and |silu(z)| <= |z|, so that product bounds what it
+    can add for an input of a given norm.
+    """
+    state = theirs.state_dict()
+    mlp = theirs.mlp
+    width = mine.mlp.down_proj.in_features
+    if width < mlp.down_proj.in_features:
+        size = (mlp.gate_proj.weight.norm(dim=1) * mlp.up_proj.weight.norm(dim=1)
+                * mlp.down_proj.weight.norm(dim=0))
+        keep = torch.topk(size, width).indices.sort().values
+        for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            state[name] = state[name][keep]
+        state["mlp.down_proj.weight"] = state["mlp.down_proj.weight"][:, keep]
+    mine.load_state_dict(state)
 
 
 def check_same_vocabulary(target_config, target_tok, draft_config, draft_tok) -> None:

@@ -38,6 +38,7 @@ import copy
 import torch
 from torch import nn
 
+from .draft import check_mlp_width, copy_layer
 from .graph import (
     _last_positions,
     _lm_head,
@@ -56,10 +57,12 @@ class FeatureDraft(nn.Module):
     the target's own, frozen (not stored with the draft)."""
 
     def __init__(self, target: nn.Module, head_ids: torch.Tensor,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), mlp_width: int | None = None):
         super().__init__()
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = 1
+        check_mlp_width(config, mlp_width)
+        config.intermediate_size = mlp_width or config.intermediate_size
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:1]
         # Training runs the layer through transformers' attention; sdpa is causal when
@@ -69,7 +72,7 @@ class FeatureDraft(nn.Module):
         width = config.hidden_size
         self.fc = nn.Linear(2 * width, width)
         self.layer = type(target.model.layers[-1])(config, layer_idx=0)
-        self.layer.load_state_dict(target.model.layers[-1].state_dict())
+        copy_layer(self.layer, target.model.layers[-1])
         # Start as the identity on the feature: f^_{r+1} = f_r, a poor but sane guess (the
         # target's distribution one position back) from which training moves: fc passes
         # the feature half through, and the layer's two residual branches start at zero.

@@ -123,6 +123,9 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-layers", type=int, nargs="+", default=[], metavar="I",
                    help="a feature draft also reads these target layers' outputs, mixed with "
                    "the last one's (EAGLE-3; 0-based, e.g. 2 15)")
+    p.add_argument("--mlp-width", type=int, default=None, metavar="N",
+                   help="a cheaper draft: N neurons in each draft layer's MLP, kept from the "
+                   "target's largest (default: as many as the target's)")
     p.add_argument("--head-tokens", type=int, default=8192,
                    help="output head size: the most frequent tokens (default 8192)")
     p.add_argument("--prompts", type=int, default=1200,

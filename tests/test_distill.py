@@ -177,6 +177,82 @@ def test_draft_for_another_tokenizer_is_refused(distilled, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_narrower_mlp_keeps_the_neurons_that_carry_the_layer(tiny_checkpoints):
+    """With all but 16 of the target layer's 64 MLP neurons silenced, a 16-neuron copy must
+    keep exactly the live ones: its layer computes what the target's does."""
+    import torch
+
+    from specedge.export.distill import make_draft
+    from specedge.export.sources import load_model
+
+    target, _ = load_model(tiny_checkpoints["llama"])
+    mlp = target.model.layers[0].mlp
+    live = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:16]
+    with torch.no_grad():
+        silent = torch.ones(64, dtype=torch.bool)
+        silent[live] = False
+        mlp.down_proj.weight[:, silent] = 0.0
+        # The live neurons' up rows are made smaller than the silent ones': only the norms
+        # of down's columns tell them apart.
+        mlp.up_proj.weight[live] *= 0.01
+    draft = make_draft(target, 1, mlp_width=16)
+    assert draft.model.layers[0].mlp.down_proj.weight.shape == (32, 16)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.allclose(draft.model.layers[0].mlp(x), mlp(x), atol=1e-6)
+    with pytest.raises(ValueError, match=r"--mlp-width must be in \[1, 64\]"):
+        make_draft(target, 1, mlp_width=65)
+
+
+@pytest.mark.parametrize("which", ["distilled", "feature_draft"])
+def test_a_narrower_draft_trains_exports_and_is_exact(which, request, tiny_checkpoints,
+                                                      tmp_path):
+    """--mlp-width on a finished run's data: the draft folder stores the narrower MLP, and
+    its bundle verifies against torch and decodes exactly (greedy)."""
+    import shutil
+
+    out, cfg, _ = request.getfixturevalue(which)
+    copy = tmp_path / "draft"
+    shutil.copytree(out, copy)
+    meta = distill(copy, DistillConfig(**{**cfg.__dict__, "epochs": 1, "mlp_width": 24}))
+    weights = load_file(str(copy / DRAFT_WEIGHTS))
+    down = [w for k, w in weights.items() if k.endswith("mlp.down_proj.weight")]
+    assert down and all(w.shape == (32, 24) for w in down)
+    assert meta["mlp_width"] == 24
+    manifest = export_bundle(str(tiny_checkpoints["llama"]), tmp_path / "bundle",
+                             draft=str(copy), verify=True)
+    assert manifest["verify"]["draft"]["ok"]
+    gen = Generator.from_bundle(tmp_path / "bundle")
+    plain = gen.generate("the cat sat", raw=True, max_new_tokens=24, use_draft=False)
+    spec = gen.generate("the cat sat", raw=True, max_new_tokens=24, draft_tokens=2,
+                        drafter="model")
+    assert spec.token_ids == plain.token_ids and spec.stats["drafted_tokens"] > 0
+
+
+def test_a_run_from_before_mlp_width_resumes(distilled, tmp_path):
+    """A training state saved before a setting existed reads it as its default."""
+    import shutil
+
+    out, cfg, _ = distilled
+    copy = tmp_path / "draft"
+    shutil.copytree(out, copy)
+    settings = json.loads((copy / "work" / "settings.json").read_text())
+    del settings["mlp_width"]
+    (copy / "work" / "settings.json").write_text(json.dumps(settings))
+    state = (copy / "work" / "train.pt").stat().st_mtime_ns
+    distill(copy, cfg)
+    assert (copy / "work" / "train.pt").stat().st_mtime_ns == state
+
+
+def test_mlp_width_beyond_the_targets_is_refused_before_any_answer(tiny_checkpoints,
+                                                                   tmp_path):
+    cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), prompts=4, new_tokens=4,
+                        mlp_width=0)
+    with pytest.raises(ValueError, match="--mlp-width must be in"):
+        distill(tmp_path / "d", cfg)
+    assert not list((tmp_path / "d" / "work").glob("data-*.pt"))
+
+
 def test_varied_prompts_mix_questions_summaries_and_code():
     from specedge.export.distill import varied_prompts
 
