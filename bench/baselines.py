@@ -142,7 +142,7 @@ def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
 
 
 def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]],
-                 progress=None) -> dict[str, dict]:
+                 progress: bool = False) -> dict[str, dict]:
     """Each system's tokens per second, end to end (prompt evaluation included), on the same
     prompt ids. A system is a dict with `generate` (prompt ids -> tokens generated) and what
     to report with it, or with `skipped`: the reason it is not timed.
@@ -150,14 +150,17 @@ def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]],
     The systems take turns prompt by prompt, the first of them changing every prompt, so the
     machine's drift over the run falls on all of them alike. Run one after another (llama.cpp
     after ours), llama.cpp's ratio to ours was 0.99x and 1.54x in two runs of the same code
-    within an hour. Each system generates once, untimed, to warm up. `progress` (a tqdm bar)
-    is advanced once per generation.
+    within an hour. Each system generates once, untimed, to warm up. `progress` shows a bar
+    on stderr, advanced once per generation.
     """
+    from tqdm import tqdm
+
     timed = [name for name, s in systems.items() if "generate" in s]
+    bar = tqdm(total=len(timed) * (len(prompt_ids) + 1), desc="systems", unit="run",
+               file=sys.stderr, disable=not progress)
     for name in timed:
         systems[name]["generate"](prompt_ids[0])
-        if progress:
-            progress.update()
+        bar.update()
     totals = {name: [0, 0.0] for name in timed}
     for i, ids in enumerate(prompt_ids):
         turn = i % len(timed) if timed else 0
@@ -166,8 +169,8 @@ def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]],
             tokens = systems[name]["generate"](ids)
             totals[name][1] += time.perf_counter() - t0
             totals[name][0] += tokens
-            if progress:
-                progress.update()
+            bar.update()
+    bar.close()
     results = {}
     for name, system in systems.items():
         results[name] = {k: v for k, v in system.items() if k != "generate"}

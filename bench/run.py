@@ -94,9 +94,7 @@ def run(args: argparse.Namespace) -> dict:
                                                    text_ids))
     ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
            for p in prompts[:n]]
-    timed = sum("generate" in system for system in systems.values())
-    with tqdm(total=timed * (len(ids) + 1), desc="systems", unit="run", file=sys.stderr) as bar:
-        systems = baselines.time_systems(systems, ids, bar)
+    systems = baselines.time_systems(systems, ids, progress=True)
     return {"bundle": str(args.bundle), "backend": args.backend,
             "precision": gen.bundle.manifest.get("precision"),
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
