@@ -101,10 +101,10 @@ class Generator:
         `prompt_ids` or `messages`. `temperature=0` is greedy; `draft_tokens` is K, or
         "auto" to pick K as generation runs (K then follows measured times, so a seed fixes
         the distribution but not the exact sampled text); by default auto when greedy and
-        2 when sampling (params.check_draft_tokens); `draft_threshold` stops drafting
-        after a token whose draft probability is below it; `use_draft=False` is plain
-        target-only decoding in the same loop. With a stop string, `token_ids` ends with the
-        token that completes the text.
+        a fixed K when sampling (params.SAMPLED_DEFAULT_K, params.check_draft_tokens);
+        `draft_threshold` stops drafting after a token whose draft probability is below it;
+        `use_draft=False` is plain target-only decoding in the same loop. With a stop
+        string, `token_ids` ends with the token that completes the text.
         """
         ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
