@@ -40,8 +40,8 @@ OPSET = 21
 # by an older exporter are not taken as up to date (export/bundle.py). 2: one mask, fused
 # projections and constant shapes (2845 -> 1060 nodes for SmolLM2 after ORT's fusions);
 # int4 on Q4_1's grid (export/quantize.py). 3: GroupQueryAttention (`fused`), the
-# default for int8 and int4.
-GRAPH_REVISION = 3
+# default for int8 and int4. 4: int8's embedding table at 8 bits (export/quantize.py).
+GRAPH_REVISION = 4
 
 
 def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,

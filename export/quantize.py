@@ -4,14 +4,14 @@ int4 / int8: onnxruntime's MatMulNBitsQuantizer turns every MatMul with a consta
 into MatMulNBits (blocks of 32 along the reduction axis with a scale and an integer zero
 point each; accuracy_level 4 lets the CPU kernels compute in int8). int4 first moves each
 block's offset into a small fp32 product (`_split_block_offset`), so that its 4-bit codes
-hold GGUF's Q4_1 grid (w = d * q + m) exactly; it also turns the embedding Gather into
-GatherBlockQuantized, which is 4-bit only, so int8 leaves the embedding table in fp32 (a
-Gather reads one row per token: that costs file size, not time); and it keeps the LM head
-at 8 bits, as llama.cpp keeps its output tensor. On SmolLM2 (dequantized from a Q4_1 GGUF)
-int4 is then nearly lossless (perplexity +1.3%, against +25% with the quantizer alone) and
-half the size of int8, at int8's speed: the offset products cost what 4-bit weights save
-on a model this small. (HQQ's float zero points: +0.02%, but ONNX Runtime's CPU kernel runs
-them ~8x slower.)
+hold GGUF's Q4_1 grid (w = d * q + m) exactly; it keeps the LM head at 8 bits, as
+llama.cpp keeps its output tensor. Both turn the embedding Gather into GatherBlockQuantized
+(4 bits through the quantizer, 8 bits by `_embedding_8bit`): a Gather reads one row per
+token, so this saves file size and memory, not time. On SmolLM2 (dequantized from a Q4_1
+GGUF) int4 is then nearly lossless (perplexity +1.0-1.3%, against +25% with the quantizer
+alone), two thirds of int8's size and ~1.1x its speed: the offset products cost most of
+what 4-bit weights save on a model this small. (HQQ's float zero points: +0.02%, but ONNX
+Runtime's CPU kernel runs them ~8x slower.)
 fp16: weights and activations in fp16, inputs and outputs kept fp32 so the KV-cache
 contract does not change (ONNX Runtime's CPU fp16 kernels are few: this is for GPUs).
 
@@ -68,6 +68,7 @@ def quantize_graph(path: Path, precision: str) -> None:
         model = convert_float_to_float16(model, keep_io_types=True)
     elif precision == "int8":
         model = _weight_only(model, 8, ("MatMul",))
+        _embedding_8bit(model)
     else:
         heads = _head_matmuls(model)
         model = _weight_only(model, 8, ("MatMul",),
@@ -152,6 +153,45 @@ def _weight_only(model: onnx.ModelProto, bits: int, ops: tuple[str, ...],
         quant_axes=(("MatMul", 0), ("Gather", 1)))
     quantizer.process()
     return quantizer.model.model
+
+
+def _embedding_8bit(model: onnx.ModelProto) -> None:
+    """Each Gather from a constant [V, H] fp32 table -> GatherBlockQuantized at 8 bits, in
+    place: blocks of BLOCK_SIZE along H, w = scale * (q - zero_point) with uint8 q and zero
+    point, the range widened to hold 0, as MatMulNBits stores int8 weights. ONNX Runtime's
+    quantizer writes this op at 4 bits only; its CPU kernel also reads 8 (uint8 data,
+    gather axis 0). On SmolLM2 the table is 113 MB of fp32 in the target and again in the
+    draft, which embeds tokens too: 8 bits take each graph's copy to 33 MB."""
+    graph = model.graph
+    uses = Counter(name for node in graph.node for name in node.input)
+    tables = {i.name: i for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+              and len(i.dims) == 2 and i.dims[1] % BLOCK_SIZE == 0 and uses[i.name] == 1}
+    for index, node in enumerate(graph.node):
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type != "Gather" or node.input[0] not in tables or axis != 0:
+            continue
+        table = tables[node.input[0]]
+        rows, width = table.dims
+        blocks = onnx.numpy_helper.to_array(table).reshape(rows, width // BLOCK_SIZE, BLOCK_SIZE)
+        low = np.minimum(blocks.min(axis=-1), 0.0)
+        high = np.maximum(blocks.max(axis=-1), 0.0)
+        scale = np.where(high > low, (high - low) / 255, 1.0).astype(np.float32)
+        zero = np.clip(np.round(-low / scale), 0, 255)
+        codes = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, 255)
+        name = table.name
+        graph.initializer.remove(table)
+        graph.initializer.extend([
+            onnx.numpy_helper.from_array(codes.astype(np.uint8).reshape(rows, width),
+                                         f"{name}_Q8"),
+            onnx.numpy_helper.from_array(scale, f"{name}_scales"),
+            onnx.numpy_helper.from_array(zero.astype(np.uint8), f"{name}_zero_points")])
+        graph.node[index].CopyFrom(onnx.helper.make_node(
+            "GatherBlockQuantized",
+            [f"{name}_Q8", node.input[1], f"{name}_scales", f"{name}_zero_points"],
+            list(node.output), name=f"{node.name or name}_Q8", domain="com.microsoft",
+            gather_axis=0, quantize_axis=1, block_size=BLOCK_SIZE, bits=8))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
 
 
 def _head_matmuls(model: onnx.ModelProto) -> list[str]:

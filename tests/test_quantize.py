@@ -56,8 +56,7 @@ def test_graphs_are_quantized(quantized, tiny_bundle):
                     and next(a.i for a in n.attribute if a.name == "N") == vocabulary]
             embedding = [n.name for n in graph.node if n.op_type == "GatherBlockQuantized"]
             assert len(head) == 1 and bits[head[0]] == 8  # int4 keeps the head at 8 bits
-            # GatherBlockQuantized is 4-bit only: int8 leaves the embedding in fp32
-            assert len(embedding) == (precision == "int4")
+            assert len(embedding) == 1  # the table is quantized too, at the graph's bits
             want = 4 if precision == "int4" else 8
             assert {b for n, b in bits.items() if n not in head} == {want}
     assert (out / "target.onnx").stat().st_size < (tiny_bundle / "target.onnx").stat().st_size
@@ -172,3 +171,37 @@ def test_block_offset_split_keeps_the_function(tiny_bundle, tmp_path):
     after = ort.InferenceSession(str(tmp_path / "split.onnx")).run(None, feeds)
     for a, b in zip(before, after):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_embedding_rows_are_within_half_a_step(tmp_path):
+    """An int8 graph's embedding table is stored at 8 bits per block of 32 (a quarter of its
+    fp32 size), and every row it gathers is within half a quantization step of the
+    original, zeros exactly (the block's range holds 0)."""
+    import onnxruntime as ort
+
+    from specedge.export.quantize import quantize_graph
+
+    rng = np.random.default_rng(2)
+    table = rng.normal(0, 0.05, (300, 64)).astype(np.float32)
+    table[7] = 0.0  # a row of zeros: scale 1, code = zero point
+    table[9, :32] = np.abs(table[9, :32])  # a block with no negative value
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "ids"], ["y"], name="embed")], "g",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, "T"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, "T", 64])],
+        [onnx.numpy_helper.from_array(table, "table")])
+    path = tmp_path / "g.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)],
+                                     ir_version=10), str(path))
+    fp32_size = path.stat().st_size
+    quantize_graph(path, "int8")
+    assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["GatherBlockQuantized"]
+    assert path.stat().st_size < 0.35 * fp32_size
+    ids = np.arange(300)[None]
+    (y,) = ort.InferenceSession(str(path)).run(None, {"ids": ids})
+    blocks = table.reshape(300, 2, 32)
+    step = (np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)) / 255
+    error = np.abs(y[0] - table).reshape(300, 2, 32).max(-1)
+    assert (error <= step / 2 + 1e-7).all()
+    assert (y[0, 7] == 0).all()
+    assert error.max() > 0  # quantized, not passed through
