@@ -164,6 +164,7 @@ def _embedding_8bit(model: onnx.ModelProto) -> None:
     draft, which embeds tokens too: 8 bits take each graph's copy to 33 MB."""
     graph = model.graph
     uses = Counter(name for node in graph.node for name in node.input)
+    uses.update(i.name for i in graph.input)  # an initializer a caller may override stays
     tables = {i.name: i for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT
               and len(i.dims) == 2 and i.dims[1] % BLOCK_SIZE == 0 and uses[i.name] == 1}
     for index, node in enumerate(graph.node):
