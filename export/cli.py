@@ -77,7 +77,8 @@ def run_distill(args: argparse.Namespace) -> None:
                         varied_prompts=args.varied_prompts,
                         more_prompts=args.more_prompts, self_prompts=args.self_prompts,
                         feature_layers=args.feature_layers, mlp_width=args.mlp_width,
-                        new_tokens=args.new_tokens, epochs=args.epochs, seed=args.seed)
+                        new_tokens=args.new_tokens, generate_batch=args.generate_batch,
+                        epochs=args.epochs, seed=args.seed)
     try:
         meta = distill(args.out, cfg)
     except (ValueError, RuntimeError, OSError) as e:

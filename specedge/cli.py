@@ -141,6 +141,10 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    "after the others: prompts closer to real chat; adding them to a finished "
                    "run keeps its data (default 0)")
     p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
+    p.add_argument("--generate-batch", type=int, default=32, metavar="N",
+                   help="prompts the target answers at once (default 32, as the committed "
+                   "drafts were made); 128 answered SmolLM2's prompts 1.7-2x faster on 2 "
+                   "cores, at 6 GB of memory instead of 2")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
 

@@ -359,6 +359,15 @@ def test_export_nonexistent_model_is_one_line(tmp_path):
     assert not out.exists()
 
 
+def test_distill_zero_generate_batch_is_one_line(capsys, tiny_checkpoints, tmp_path):
+    out = tmp_path / "draft"
+    code, stdout, err = call_main(capsys, "distill", "--target", tiny_checkpoints["llama"],
+                                  "--out", out, "--generate-batch", "0")
+    assert_one_line_error(code, err, "--generate-batch", ">= 1")
+    assert stdout == ""
+    assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def other_ids_checkpoint(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("other-ids") / "ckpt", other_ids=True)
