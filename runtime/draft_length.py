@@ -28,7 +28,7 @@ follows a change of task within a generation, yet a position that auto stopped d
 keeps what it last measured. Decaying them with every step instead left a model source at
 K = 0 with the few tries of its probes and the prior, so an unlucky run of probes held it
 there: on chat prompts, 70% of its steps at K = 0, 4-8% slower than a fixed K = 1
-(README, "Auto against the best fixed K").
+(docs/MEASUREMENTS.md, "Auto against the best fixed K").
 Each beta_i is smoothed towards the rate pooled over positions, which is smoothed by a
 prior. A T not measured yet is estimated linearly from the T that are. A K is only
 measured where it is used, so every PROBE_EVERY steps auto tries one K more, and half-way
@@ -45,8 +45,8 @@ from itertools import accumulate
 from .stats import examined_positions
 
 # Python floats, not numpy: auto runs between two model calls on lists of AUTO_MAX_K, where
-# every numpy call is cold and costs tens of microseconds (README, "What a numpy call
-# costs after a model call").
+# every numpy call is cold and costs tens of microseconds (docs/MEASUREMENTS.md, "What a
+# numpy call costs after a model call").
 AUTO_MAX_K = 8
 # Before anything is measured: a few pseudo-observations of a decent draft (beta = 0.7),
 # a small draft cost and a moderate growth of the verification cost with T, so the first
@@ -60,7 +60,7 @@ SMOOTHING = 0.2        # weight of a new observation in the running cost estimat
 # A probe drafts a K that the estimates rate lower, and usually is: a K = 2 or K = 0 step of
 # the SmolLM2 feature draft yields about 0.8x the tokens per second of its K = 1. With
 # acceptance counts kept per try, probing every 64 steps instead of 16 ran the bench's
-# prompts 1-3% faster (README, "Auto against the best fixed K").
+# prompts 1-3% faster (docs/MEASUREMENTS.md, "Auto against the best fixed K").
 PROBE_EVERY = 64
 
 
