@@ -123,6 +123,29 @@ def test_more_prompts_keep_the_data_made_without_them(distilled, tmp_path):
         distill(copy, DistillConfig(**{**more.__dict__, "more_prompts": 40}))
 
 
+def test_shards_hold_the_targets_own_top_log_probs(tiny_checkpoints):
+    """Each answer position's top-k log-probabilities are the target's, teacher-forced on
+    the shard's ids (fp16 storage; two prompts, so one of them is left-padded), and greedy
+    answers are their top-1 tokens."""
+    import torch
+
+    from specedge.export.distill import generate_shard, training_prompts
+    from specedge.export.sources import load_model
+
+    model, tokenizer = load_model(str(tiny_checkpoints["llama"]))
+    cfg = DistillConfig(new_tokens=12, top_k=4)
+    for sampled in (False, True):
+        for ex in generate_shard(model, tokenizer, training_prompts(2, 0), cfg, sampled, 0):
+            with torch.no_grad():
+                logits = model(ex["ids"][None].long()).logits[0].float()
+            start, n = ex["start"], len(ex["top_ids"])
+            want = torch.log_softmax(logits[start:start + n], dim=-1).topk(cfg.top_k, dim=-1)
+            assert torch.allclose(ex["top_logp"].float(), want.values, atol=2e-2)
+            assert torch.equal(ex["top_ids"][:, 0].long(), want.indices[:, 0])
+            if not sampled:
+                assert torch.equal(ex["ids"][start + 1:start + 1 + n], ex["top_ids"][:, 0])
+
+
 @pytest.mark.parametrize("setting", ["varied_prompts", "more_prompts", "self_prompts"])
 def test_negative_prompt_count_is_refused_before_any_work(setting, tmp_path):
     with pytest.raises(ValueError, match="--varied-prompts, --more-prompts and --self-prompts "
