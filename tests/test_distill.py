@@ -7,12 +7,21 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 from tiny_models import save_tiny
 from two_sample import first_two_tokens, two_sample_pvalue
 
 from specedge.export.bundle import export_bundle
-from specedge.export.distill import DRAFT_META, DRAFT_WEIGHTS, DistillConfig, distill
+from specedge.export.distill import (
+    DRAFT_META,
+    DRAFT_WEIGHTS,
+    DistillConfig,
+    distill,
+    generate_shard,
+    training_prompts,
+)
+from specedge.export.sources import load_model
 from specedge.runtime import Generator
 
 HEAD = 16
@@ -64,10 +73,7 @@ def test_other_training_settings_reuse_the_data(distilled, tmp_path):
 @pytest.mark.parametrize("which", ["distilled", "feature_draft"])
 def test_training_improves_on_the_untrained_draft(which, request):
     """The loss after training is below the loss of the freshly initialised draft."""
-    import torch
-
     from specedge.export.distill import draft_loss, head_token_ids, new_draft
-    from specedge.export.sources import load_model
 
     out, cfg, meta = request.getfixturevalue(which)
     data = []
@@ -100,8 +106,6 @@ def test_more_prompts_keep_the_data_made_without_them(distilled, tmp_path):
     them stays; once they are made, another count would need other shards and is refused."""
     import shutil
 
-    import torch
-
     out, cfg, meta = distilled
     copy = tmp_path / "draft"
     shutil.copytree(out, copy)
@@ -127,11 +131,6 @@ def test_shards_hold_the_targets_own_top_log_probs(tiny_checkpoints):
     """Each answer position's top-k log-probabilities are the target's, teacher-forced on
     the shard's ids (fp16 storage; two prompts, so one of them is left-padded), and greedy
     answers are their top-1 tokens."""
-    import torch
-
-    from specedge.export.distill import generate_shard, training_prompts
-    from specedge.export.sources import load_model
-
     model, tokenizer = load_model(str(tiny_checkpoints["llama"]))
     cfg = DistillConfig(new_tokens=12, top_k=4)
     for sampled in (False, True):
@@ -203,10 +202,7 @@ def test_draft_for_another_tokenizer_is_refused(distilled, tmp_path):
 def test_a_narrower_mlp_keeps_the_neurons_that_carry_the_layer(tiny_checkpoints):
     """With all but 16 of the target layer's 64 MLP neurons silenced, a 16-neuron copy must
     keep exactly the live ones: its layer computes what the target's does."""
-    import torch
-
     from specedge.export.distill import make_draft
-    from specedge.export.sources import load_model
 
     target, _ = load_model(tiny_checkpoints["llama"])
     mlp = target.model.layers[0].mlp
@@ -290,7 +286,6 @@ def test_varied_prompts_mix_questions_summaries_and_code():
 
 
 def test_passages_are_the_targets_answers_cut_at_a_full_stop():
-    import torch
 
     from specedge.export.distill import passages_from
 
