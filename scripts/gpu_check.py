@@ -54,7 +54,7 @@ def machine() -> dict:
         if int(err) != 0:
             info["cuda_error"] = repr(err)
         else:
-            from specedge.runtime.engine_manifest import gpu_identity
+            from specedge.runtime.backends.engine_manifest import gpu_identity
 
             name, capability = gpu_identity()
             info["gpu"] = {"name": name, "compute_capability": list(capability)}
@@ -76,7 +76,7 @@ def machine() -> dict:
 def compile_only() -> str:
     """Without a GPU the kernels can still be compiled (NVRTC needs no device)."""
     try:
-        from specedge.runtime.device_sampling import compile_sampling_kernels
+        from specedge.runtime.backends.device_sampling import compile_sampling_kernels
 
         return f"ok: {len(compile_sampling_kernels())} bytes of compute_90 PTX"
     except Exception as e:  # reported, not raised: the report is the product here
@@ -85,8 +85,8 @@ def compile_only() -> str:
 
 def check_device_kv(memory) -> dict:
     """Random writes and rollbacks through DeviceKVCache on the GPU vs the host KVCache."""
+    from specedge.runtime.backends.device_kv_cache import DeviceKVCache
     from specedge.runtime.bundle import ModelSpec
-    from specedge.runtime.device_kv_cache import DeviceKVCache
     from specedge.runtime.kv_cache import KVCache
 
     spec = ModelSpec(path=None, num_layers=4, num_kv_heads=8, head_dim=128,
@@ -132,7 +132,7 @@ def tiny_bundle(root: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from tiny_models import save_tiny
 
-    from specedge.export.bundle import export_bundle
+    from specedge.export.bundle_writer import export_bundle
 
     checkpoint = save_tiny(root / "tiny-llama", "llama")
     export_bundle(str(checkpoint), out, draft_layers=1)
@@ -176,14 +176,14 @@ class HostEngineOnDevice:
     run on a GPU where neither TensorRT nor onnxruntime-gpu is installed."""
 
     def __init__(self, spec, memory):
-        from specedge.runtime.engines import OrtEngine
+        from specedge.runtime.backends.engines import OrtEngine
 
         self.ort, self.memory = OrtEngine(spec, "cpu"), memory
         self.max_tokens, self.max_keep = self.ort.max_tokens, self.ort.max_keep
         self._host: dict[tuple, list] = {}
 
     def execute(self, key, plan, host_values) -> None:
-        from specedge.runtime.engines import TensorBinding
+        from specedge.runtime.backends.engines import TensorBinding
 
         pairs = self._host.get(key)
         if pairs is None:
@@ -206,8 +206,8 @@ def check_device_loop(bundle: Path, memory_class, sampler_class) -> dict:
     """The whole device path but the engine: DeviceBackend on `memory_class` memory with the
     kernels (`sampler_class`) choosing tokens next to the logits, vs ort-cpu."""
     from specedge.runtime import Generator
+    from specedge.runtime.backends.device import DeviceBackend
     from specedge.runtime.bundle import load_bundle
-    from specedge.runtime.device_backend import DeviceBackend
     from specedge.runtime.text import TextCodec
 
     b = load_bundle(bundle)
@@ -234,7 +234,7 @@ def check_ort_cuda(info: dict, work: Path) -> dict:
 def check_tensorrt(info: dict, work: Path, smollm2: str | None) -> dict:
     if info["tensorrt"] is None:
         return {"status": "not run", "reason": "TensorRT is not importable on this machine"}
-    from specedge.export.tensorrt_build import build_engines
+    from specedge.export.tensorrt.build import build_engines
     from specedge.runtime import Generator
 
     bundles = {"tiny": tiny_bundle(work)}  # built on a copy: engines are written into it
@@ -297,8 +297,8 @@ def main() -> int:
     else:
         from gpu_check_sampling import run as check_sampling
 
-        from specedge.runtime.device_memory import CudaMemory
-        from specedge.runtime.device_sampling import DeviceSampler
+        from specedge.runtime.backends.device_sampling import DeviceSampler
+        from specedge.runtime.backends.memory import CudaMemory
 
         memory = CudaMemory()
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,9 @@
-"""GPU parity check of the on-device sampling kernels (runtime/kernels/sampling.cu).
+"""GPU parity check of the on-device sampling kernels
+(specedge/runtime/backends/kernels/sampling.cu).
 
 scripts/gpu_check.py calls ``run(memory)`` with a CUDA device-memory object
-(runtime/device_memory.py) and stores the JSON-able dict it returns. The host reference is
-the specification, and every check compares the kernels with it:
+(specedge/runtime/backends/memory.py) and stores the JSON-able dict it returns. The host
+reference is the specification, and every check compares the kernels with it:
 
 - greedy: ``DeviceSampler.verify_greedy`` == ``speculative.verify_greedy``, exactly, on random
   logits with planted argmax ties, vocab 49152 and 128256, K in {0, 1, 4, 8};
@@ -15,7 +16,8 @@ the specification, and every check compares the kernels with it:
 - sample: chi-square goodness of fit of the drawn tokens against p (a small support inside
   the largest vocabulary), and no draw outside the support;
 - verify_sampled, with a draft q and with one-hot q: chi-square goodness of fit of the first
-  emitted token against the target row p_1 (DESIGN step 3: it follows p_1 exactly, whatever
+  emitted token against the target row p_1 (docs/design.md#the-speculative-step step 3: it follows
+  p_1 exactly, whatever
   the draft), a chi-square two-sample test of (n_accepted, token) against the host's
   ``verify_sampled``, and token-for-token agreement with a numpy transcription of the
   kernel's uniform layout fed the same uniforms.
@@ -40,8 +42,12 @@ from scipy.stats import chisquare
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from two_sample import two_sample_test  # noqa: E402  (the tests' chi-square helper)
 
-from specedge.runtime.device_sampling import THREADS, DeviceSampler, sampled_verify_reference
-from specedge.runtime.params import Sampling
+from specedge.runtime.backends.device_sampling import (
+    THREADS,
+    DeviceSampler,
+    sampled_verify_reference,
+)
+from specedge.runtime.config import Sampling
 from specedge.runtime.sampling import process_logits
 from specedge.runtime.speculative import verify_greedy, verify_sampled
 

@@ -2,7 +2,8 @@
 # Build llama-cpp-python into .venv so that `specedge bench` also measures llama.cpp on the
 # Q4_1 GGUF. It compiles llama.cpp from the PyPI sdist (about 15 minutes on 2 cores), so it
 # is not an extra. Native CPU tuning is off (on some CPUs it makes multi-token batches
-# crash, DESIGN.md); the x86 features this CPU reports are switched on one by one instead.
+# crash, docs/bench.md#building-llama-cpp-python); the x86 features this CPU reports are switched
+# on one by one instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import save_tiny  # noqa: E402
 
-from specedge.export.bundle import export_bundle  # noqa: E402
+from specedge.export.bundle_writer import export_bundle  # noqa: E402
 from specedge.export.sources import cache_dir  # noqa: E402
 
-# The distilled draft committed in the repository (specedge distill, see README).
+# The distilled drafts shipped in drafts/ (made by `specedge distill`, see docs/distill.md).
 SMOLLM2_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m"
 SMOLLM2_FEATURE_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-feature"
 
@@ -80,7 +80,8 @@ def smollm2_feature_bundle() -> Path:
 @pytest.fixture(scope="session")
 def feature_draft(tiny_checkpoints, tmp_path_factory):
     """A feature draft distilled for the tiny Llama: (folder, config, metadata)."""
-    from specedge.export.distill import DistillConfig, distill
+    from specedge.export.distill.config import DistillConfig
+    from specedge.export.distill.train import distill
 
     out = tmp_path_factory.mktemp("feature") / "draft"
     cfg = DistillConfig(target=str(tiny_checkpoints["llama"]), kind="feature",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny
 
-from specedge.export.bundle import export_bundle
+from specedge.export.bundle_writer import export_bundle
 from specedge.runtime import BundleError, Generator, SpecEdgeError
 from specedge.runtime.bundle import FORMAT_VERSION, MANIFEST
 
@@ -124,34 +124,35 @@ def test_generator_still_works_after_bad_calls(gen):
 @pytest.mark.parametrize("prompt_ids", [["a", "b"], [None], [1.5, 2.0]],
                          ids=["strings", "none", "floats"])
 def test_prompt_ids_that_are_not_integers(gen, prompt_ids):
-    """Was: `[int(i) for i in prompt_ids]` (runtime/generator.py `_prompt_ids`) gives
-    "invalid literal for int()" or a TypeError, and silently truncates 1.5 to 1."""
+    """prompt_ids that are not integers are refused with a ValueError naming prompt_ids, not
+    "invalid literal for int()" or a TypeError, and 1.5 is not silently truncated to 1."""
     with pytest.raises(ValueError, match="prompt_ids"):
         gen.generate(prompt_ids=prompt_ids, max_new_tokens=2)
 
 
 def test_prompt_ids_not_a_sequence(gen):
-    """Was: an int for prompt_ids is a TypeError ('int' object is not iterable)."""
+    """An int for prompt_ids is a ValueError naming prompt_ids (not a TypeError from iterating
+    an int)."""
     with pytest.raises(ValueError, match="prompt_ids"):
         gen.generate(prompt_ids=5, max_new_tokens=2)
 
 
 def test_prompt_that_is_not_a_string(gen):
-    """Was: prompt=5 is reported as "prompt is empty"."""
+    """prompt=5 is reported as not being a string (not as "prompt is empty")."""
     with pytest.raises(ValueError, match=r"prompt must be a (str|string)"):
         gen.generate(prompt=5, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("seed", [-1, "x", 1.5])
 def test_bad_seed_names_the_seed(gen, seed):
-    """Was: numpy's errors leak out: "expected non-negative integer" (no mention of seed)
-    for -1, a TypeError from SeedSequence for "x"."""
+    """A bad seed is a ValueError naming the seed, not numpy's "expected non-negative integer"
+    (for -1) or a TypeError from SeedSequence (for "x")."""
     with pytest.raises(ValueError, match="seed"):
         gen.generate(PROMPT, seed=seed, temperature=1.0, max_new_tokens=2)
 
 
 def test_stop_none_is_not_a_type_error(gen):
-    """Was: stop=None raises TypeError ('NoneType' object is not iterable)."""
+    """stop=None means no stop strings (not a TypeError from iterating None)."""
     try:
         gen.generate(PROMPT, stop=None, max_new_tokens=4)
     except ValueError as e:
@@ -159,8 +160,8 @@ def test_stop_none_is_not_a_type_error(gen):
 
 
 def test_stop_given_as_a_bare_string(gen):
-    """Was: stop="ab" is split into the stop strings "a" and "b"; it must either mean
-    ["ab"] or be refused."""
+    """stop="ab" either means ["ab"] or is refused; it is never split into the stop strings
+    "a" and "b"."""
     as_list = gen.generate(PROMPT, stop=["ab"], max_new_tokens=32).text
     try:
         as_string = gen.generate(PROMPT, stop="ab", max_new_tokens=32).text
@@ -207,9 +208,9 @@ def test_unknown_backend(tiny_bundle, backend):
 
 
 def test_negative_threads(tiny_bundle):
-    """Was: `threads` is not validated (runtime/backends.py OrtCpuBackend.__init__): -1 is
-    accepted silently, and a huge value (10**6) makes ONNX Runtime try to start that many
-    threads until the process is killed (not tested here for that reason)."""
+    """`threads` is checked before a backend opens (specedge/runtime/config.py `check_threads`):
+    -1 is refused, and so is a huge value (10**6), which would make ONNX Runtime try to start
+    that many threads until the process is killed (not tested here for that reason)."""
     with pytest.raises(ValueError, match="threads"):
         Generator.from_bundle(tiny_bundle, threads=-1)
 
@@ -318,10 +319,10 @@ MALFORMED_MANIFEST = {
 
 @pytest.mark.parametrize("case", list(MALFORMED_MANIFEST))
 def test_manifest_with_wrong_types_is_a_bundle_error(tiny_bundle, tmp_path, case):
-    """Was: runtime/bundle.py `load_bundle` trusts the types inside a JSON manifest:
-    tokenizer=null -> AttributeError, file=5 -> TypeError, eos_token_ids=["</s>"] -> "invalid
-    literal for int()", vocab_size="34" -> "the draft's vocabulary (34 tokens) differs from the
-    target's (34)"."""
+    """specedge/runtime/bundle.py `load_bundle` checks the types inside a JSON manifest, so
+    wrong ones are a BundleError rather than tokenizer=null -> AttributeError, file=5 ->
+    TypeError, eos_token_ids=["</s>"] -> "invalid literal for int()", or vocab_size="34" ->
+    "the draft's vocabulary (34 tokens) differs from the target's (34)"."""
     bundle = copy_bundle(tiny_bundle, tmp_path)
     edit_manifest(bundle, MALFORMED_MANIFEST[case])
     with pytest.raises(BundleError, match=MANIFEST.replace(".", r"\.")):
@@ -339,9 +340,9 @@ GRAPH_MISMATCH = {  # field: (change, what the message must name)
 
 @pytest.mark.parametrize("field", list(GRAPH_MISMATCH))
 def test_manifest_that_disagrees_with_its_graph(tiny_bundle, tmp_path, field):
-    """Was: runtime/backends.py OrtCpuBackend.__init__ checks only the input names, so a
-    manifest whose dims disagree with the graph loads fine and the first generate dies in
-    ONNX Runtime with a multi-line RuntimeError ("Got invalid dimensions for input ...")."""
+    """A manifest whose dims disagree with its graph is a BundleError naming the field, not a
+    bundle that loads fine and whose first generate dies in ONNX Runtime with a multi-line
+    RuntimeError ("Got invalid dimensions for input ...")."""
     bundle = copy_bundle(tiny_bundle, tmp_path)
     change, message = GRAPH_MISMATCH[field]
     edit_manifest(bundle, change)
@@ -352,8 +353,9 @@ def test_manifest_that_disagrees_with_its_graph(tiny_bundle, tmp_path, field):
 @pytest.mark.parametrize("template", ["{% for %}", "{{ raise_exception('no system role') }}"],
                          ids=["syntax-error", "raise-exception"])
 def test_broken_chat_template(tiny_bundle, tmp_path, template):
-    """Was: jinja2 errors escape runtime/text.py: TemplateSyntaxError from `from_string` in
-    TextCodec.__init__, TemplateError from `render` in encode_chat."""
+    """A broken chat template is an error naming the template; jinja2's TemplateSyntaxError
+    (from `from_string` in TextCodec.__init__) and TemplateError (from `render` in encode_chat)
+    do not escape specedge/runtime/text.py."""
     bundle = copy_bundle(tiny_bundle, tmp_path)
     (bundle / "chat_template.jinja").write_text(template)
     with pytest.raises((ValueError, SpecEdgeError), match="template"):
@@ -394,7 +396,8 @@ def test_export_refuses_a_draft_with_another_vocabulary(tiny_checkpoints, foreig
     (dict(draft="DRAFT", draft_layers=1), r"--draft or --draft-layers, not both"),
 ], ids=["draft-layers-too-many", "draft-layers-zero", "max-context-zero", "draft-and-layers"])
 def test_export_bad_arguments(tiny_checkpoints, tmp_path, kwargs, message):
-    """draft_layers=0 is a regression test: 0 is falsy, so it silently means "no draft"."""
+    """draft_layers=0 is refused: 0 is falsy, so a plain truth test would take it for "no
+    draft"."""
     out = tmp_path / "out" / "bundle"
     out.parent.mkdir()
     if kwargs.get("draft") == "DRAFT":
@@ -415,9 +418,8 @@ def test_export_model_that_is_not_a_checkpoint(tmp_path, model):
 
 
 def test_export_over_a_folder_that_is_not_a_bundle(tiny_checkpoints, tmp_path):
-    """Was (data loss): export/bundle.py `export_bundle` does `shutil.rmtree(out)` on any
-    existing `out`, so `--out ~/Documents` deletes the user's files. It must refuse a folder
-    that exists, is not empty and holds no manifest.json."""
+    """`export_bundle` refuses a folder that exists, is not empty and holds no manifest.json:
+    replacing `out` wholesale there would delete the user's files (`--out ~/Documents`)."""
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("precious")

@@ -226,9 +226,9 @@ BAD_GENERATE = [
     (["--prompt", PROMPT, "--temperature", "warm"], ["--temperature", "invalid float"]),
     (["--prompt", PROMPT, "--no-such-option"], ["unrecognized arguments: --no-such-option"]),
     ([], ["required", "--prompt"]),
-    # Regression, was: numpy's "expected non-negative integer" leaks out without naming the seed.
+    # The error names the seed (not numpy's bare "expected non-negative integer").
     (["--prompt", PROMPT, "--seed", "-1"], ["seed"]),
-    # Regression, was: --threads is not validated (-1 is accepted; 1000000 exhausts memory).
+    # --threads is checked: -1 is refused (and 1000000 would exhaust memory).
     (["--prompt", PROMPT, "--threads", "-1"], ["threads"]),
 ]
 
@@ -335,6 +335,21 @@ def test_export_second_run_is_up_to_date(exported, tiny_checkpoints):
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
+def test_export_takes_the_model_as_an_option_too(exported, tiny_checkpoints, capsys):
+    """`specedge export --model X` is the positional form: the same export arguments, so the
+    bundle written by the positional form is up to date for it."""
+    out, first = exported
+    assert first.returncode == 0, first.stderr
+    proc = run_cli("export", "--model", tiny_checkpoints["llama"], "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "up to date" in proc.stderr
+    assert json.loads(proc.stdout) == json.loads(first.stdout)
+    for args in ([tiny_checkpoints["llama"], "--model", tiny_checkpoints["llama"]], []):
+        code, stdout, err = call_main(capsys, "export", *args, "--out", out)
+        assert_one_line_error(code, err, "give the model once")
+        assert stdout == ""
+
+
 def test_generate_on_a_bundle_without_draft(capsys, exported):
     out, first = exported
     assert first.returncode == 0, first.stderr
@@ -349,8 +364,8 @@ def test_generate_on_a_bundle_without_draft(capsys, exported):
 
 
 def test_export_nonexistent_model_is_one_line(tmp_path):
-    """Was: export/bundle.py starts its tqdm bar before loading the model and does not close
-    it on error, so stderr holds progress-bar lines with the error glued onto one of them."""
+    """A model that does not exist is one line on stderr: no tqdm progress-bar lines with the
+    error glued onto one of them (specedge/export/bundle_writer.py)."""
     out = tmp_path / "bundle"
     proc = run_cli("export", tmp_path / "no-such-model", "--out", out)
     assert_one_line_error(proc.returncode, proc.stderr, "no-such-model",
@@ -377,8 +392,8 @@ def other_ids_checkpoint(tmp_path_factory) -> Path:
                                   "max-context-zero", "draft-and-draft-layers"])
 def test_export_bad_input_is_one_line(capsys, tiny_checkpoints, other_ids_checkpoint,
                                       tmp_path, case):
-    """The first two fail with the same tqdm bug as the nonexistent model (plus transformers'
-    "Loading weights" bars): the error is raised after progress output has started."""
+    """One line on stderr even where the error comes after progress output has started (the
+    first two: export's tqdm bar, plus transformers' "Loading weights" bars)."""
     model = tiny_checkpoints["llama"]
     args, words = {
         "other-tokenizer-draft": (["--draft", other_ids_checkpoint],

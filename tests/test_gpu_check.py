@@ -35,7 +35,7 @@ def _sampling_check(sampler_class):
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check_sampling
 
-    from specedge.runtime.device_memory import HostMemory
+    from specedge.runtime.backends.memory import HostMemory
 
     memory = HostMemory()
     sampler = sampler_class(memory)
@@ -49,7 +49,7 @@ def test_the_kernel_checks_pass_on_the_numpy_twin_and_catch_a_wrong_sampler():
     kernels' interface in numpy): every section must pass; a sampler that accepts drafts
     without the u * q < p test must fail it. Sample sizes: 3000 draws per statistical
     section, alpha 0.001, seeded (the GPU run uses 20,000 and vocabularies 49152, 128256)."""
-    from specedge.runtime.device_sampling import HostSampler
+    from specedge.runtime.backends.device_sampling import HostSampler
 
     report = _sampling_check(HostSampler)
     assert report["status"] == "pass", report
@@ -72,8 +72,8 @@ def test_the_device_loop_check_passes_on_host_memory(tiny_bundle):
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
 
-    from specedge.runtime.device_memory import HostMemory
-    from specedge.runtime.device_sampling import HostSampler
+    from specedge.runtime.backends.device_sampling import HostSampler
+    from specedge.runtime.backends.memory import HostMemory
 
     report = gpu_check.check_device_loop(tiny_bundle, HostMemory, HostSampler)
     assert report["status"] == "pass", report

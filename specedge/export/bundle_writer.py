@@ -1,0 +1,282 @@
+"""Write a bundle: target and draft graphs, tokenizer, chat template, manifest.
+
+Everything is written to a temporary folder beside the destination and moved into place at
+the end, so an interrupted export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from contextlib import closing
+from importlib.metadata import version
+from pathlib import Path
+
+import onnx
+from tqdm import tqdm
+
+from specedge import __version__
+from specedge.export.distill.folder import check_distilled_draft, is_distilled_draft, load_draft
+from specedge.export.drafts.feature import FeatureDraft
+from specedge.export.drafts.truncated import (
+    check_draft_layers,
+    check_same_vocabulary,
+    truncated_draft,
+)
+from specedge.export.files import replacing
+from specedge.export.graph.families import SUPPORTED_ARCHITECTURES, fused_attention, model_dims
+from specedge.export.graph.trace import GRAPH_REVISION, OPSET, export_onnx
+from specedge.export.quantize import (
+    PERPLEXITY_TEXT,
+    PRECISIONS,
+    quantization_report,
+    quantize_graph,
+)
+from specedge.export.sources import load_model, resolve_checkpoint
+from specedge.export.verify import (
+    graph_features,
+    graph_kv_layout,
+    verify_feature_draft,
+    verify_graph,
+)
+from specedge.runtime.bundle import (
+    FEATURES_IN,
+    FEATURES_OUT,
+    FORMAT_VERSION,
+    KV_LAYOUT_IN_PLACE,
+    MANIFEST,
+)
+
+VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+           onnx.TensorProto.INT64: "int64"}
+
+
+def _io_spec(graph: onnx.GraphProto, dims: dict, features: int,
+             kv_layout: str) -> tuple[list[dict], list[dict]]:
+    """Names and dtypes as the graph has them; shapes as the contract states them (the
+    exporter leaves some static dims symbolic)."""
+    kv = [1, dims["num_kv_heads"], None, dims["head_dim"]]
+    in_place = kv_layout == KV_LAYOUT_IN_PLACE  # presents are the whole cache buffers
+    shapes = {"input_ids": [1, "T"], "position_ids": [1, "T"], "past_length": [1],
+              "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]],
+              FEATURES_IN: [1, "T", features], FEATURES_OUT: [1, "T", features]}
+
+    def entry(v) -> dict:
+        elem = v.type.tensor_type.elem_type
+        rows = "C" if v.name.startswith("past") or in_place else "T"
+        shape = shapes.get(v.name) or [d if d is not None else rows for d in kv]
+        return {"name": v.name, "dtype": _DTYPES.get(elem, str(elem)), "shape": shape}
+
+    return [entry(v) for v in graph.input], [entry(v) for v in graph.output]
+
+
+def _model_entry(model, path: Path, max_context: int | None, precision: str) -> dict:
+    dims = model_dims(model)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    features, reads = graph_features(graph)
+    kv_layout = graph_kv_layout(graph)
+    inputs, outputs = _io_spec(graph, dims, features, kv_layout)
+    if max_context:
+        dims["max_context"] = min(dims["max_context"], max_context)
+    entry = {"file": path.name, "architecture": model.config.model_type, **dims,
+             "dtype": "float32", "precision": precision, "kv_layout": kv_layout,
+             "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+    if features:
+        entry |= {"features": features, "reads_features": reads}
+    return entry
+
+
+def _special_tokens(model, tokenizer) -> dict:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return {"eos_token_ids": sorted(eos_ids), "bos_token_id": tokenizer.bos_token_id,
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+
+
+def _fingerprint(source: str | None) -> str | None:
+    """Changes when a local model file or folder changes (name, size, mtime of each file)."""
+    if source is None or not Path(source).exists():
+        return None
+    path = Path(source)
+    files = sorted(p for p in ([path] if path.is_file() else path.rglob("*"))
+                   if p.is_file() and "work" not in p.relative_to(path).parts[:1])
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+def export_args(model: str, draft: str | None, draft_layers: int | None,
+                max_context: int | None, precision: str, attention: str = "auto") -> dict:
+    """What a bundle was made from: an up-to-date bundle has exactly these."""
+    return {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
+            "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
+            "max_context": max_context, "precision": precision, "attention": attention,
+            "graph_revision": GRAPH_REVISION}
+
+
+def is_current(out: Path, args: dict) -> bool:
+    """True if `out` is a bundle exported with the same arguments (nothing to redo)."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return manifest.get("format_version") == FORMAT_VERSION and manifest.get("source") == args
+
+
+def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | None,
+               max_context: int | None, precision: str,
+               attention: str) -> tuple[Path, Path | None]:
+    """Every check that needs no weights, before any slow work: bad input fails at once."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {precision!r}")
+    if draft is not None and draft_layers is not None:
+        raise ValueError("pass --draft or --draft-layers, not both")
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise ValueError(f"--max-context must be an integer >= 1, got {max_context!r}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the bundle")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ValueError(f"--out {out} is a folder that is not a bundle; exporting would "
+                         "replace its contents: give a new or empty folder")
+    target_path = resolve_checkpoint(model)
+    target_config = AutoConfig.from_pretrained(target_path)
+    if target_config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {target_config.model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    fused_attention(attention, precision, target_config)  # raises if it cannot have it
+    if draft_layers is not None:
+        check_draft_layers(target_config, draft_layers)
+    draft_path = None
+    if draft is not None and is_distilled_draft(draft):
+        draft_path = Path(draft)
+        check_distilled_draft(draft_path, AutoTokenizer.from_pretrained(target_path))
+    elif draft is not None:
+        draft_path = resolve_checkpoint(draft)
+        check_same_vocabulary(target_config, AutoTokenizer.from_pretrained(target_path),
+                              AutoConfig.from_pretrained(draft_path),
+                              AutoTokenizer.from_pretrained(draft_path))
+    return target_path, draft_path
+
+
+def export_bundle(model: str, out: str | Path, draft: str | None = None,
+                  draft_layers: int | None = None, max_context: int | None = None,
+                  precision: str = "fp32", verify: bool = False, force: bool = False,
+                  attention: str = "auto") -> dict:
+    """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
+
+    Skips the work when `out` already holds a bundle made with the same arguments, unless
+    `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers
+    (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
+    quantizes both graphs and records the quantized target's agreement with fp32.
+    `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
+    (fused for int8 and int4 Llama-family graphs).
+    """
+    from transformers.utils import logging as hf_logging
+
+    out = Path(out)
+    args = export_args(model, draft, draft_layers, max_context, precision, attention)
+    if not force and is_current(out, args):
+        print(f"bundle {out} is up to date (use --force to re-export)", file=sys.stderr)
+        return json.loads((out / MANIFEST).read_text())
+    target_path, draft_path = _preflight(out, model, draft, draft_layers, max_context,
+                                         precision, attention)
+    hf_logging.disable_progress_bar()  # one progress bar: ours
+
+    steps = ["load models", "export target graph", "export draft graph"]
+    steps += ["verify graphs"] if verify else []
+    steps += ["quantize"] if precision != "fp32" else []
+    progress = tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr)
+    with replacing(out, folder=True) as tmp, closing(progress):
+        progress.set_postfix_str("load models")
+        target, tokenizer = load_model(target_path)
+        draft_model = None
+        if draft_path is not None and is_distilled_draft(draft_path):
+            draft_model = load_draft(draft_path, target, tokenizer)
+        elif draft_path is not None:
+            draft_model = load_model(draft_path)[0]
+        elif draft_layers is not None:
+            draft_model = truncated_draft(target, draft_layers)
+        progress.update()
+
+        progress.set_postfix_str("export target graph")
+        # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
+        share_head = precision in ("fp32", "fp16")
+        feature_draft = isinstance(draft_model, FeatureDraft)
+        reader = draft_model if feature_draft else False  # what the target's features feed
+        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head, features=reader,
+                    fused=fused_attention(attention, precision, target.config))
+        progress.update()
+        progress.set_postfix_str("export draft graph")
+        if draft_model is not None:
+            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head,
+                        fused=fused_attention(attention, precision, draft_model.config))
+        progress.update()
+
+        report = {}
+        prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
+        if verify:
+            progress.set_postfix_str("verify graphs")
+            report["target"] = verify_graph(target, tmp / "target.onnx", prompt,
+                                            features=reader)
+            if draft_model is not None:
+                check = verify_feature_draft if feature_draft else verify_graph
+                report["draft"] = check(draft_model, tmp / "draft.onnx", prompt)
+            progress.update()
+        quantization = None
+        if precision != "fp32":
+            progress.set_postfix_str(f"quantize to {precision}")
+            fp32 = tmp / "target.fp32.onnx"
+            shutil.copyfile(tmp / "target.onnx", fp32)
+            quantize_graph(tmp / "target.onnx", precision)
+            if draft_model is not None:
+                quantize_graph(tmp / "draft.onnx", precision)
+            quantization = quantization_report(fp32, tmp / "target.onnx", model_dims(target),
+                                               prompt, tokenizer(PERPLEXITY_TEXT)["input_ids"])
+            fp32.unlink()
+            progress.update()
+        progress.close()
+
+        models = {"target": _model_entry(target, tmp / "target.onnx", max_context,
+                                         precision)}
+        if draft_model is not None:
+            models["draft"] = _model_entry(draft_model, tmp / "draft.onnx", max_context,
+                                           precision)
+
+        tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        tok_entry = {"file": "tokenizer.json", **_special_tokens(target, tokenizer),
+                     "sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest()}
+        if tokenizer.chat_template:
+            (tmp / "chat_template.jinja").write_text(tokenizer.chat_template)
+            tok_entry["chat_template"] = "chat_template.jinja"
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "created_by": f"specedge {__version__}",
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "backend": "onnx",
+            "precision": precision,
+            "quantization": quantization,
+            "source": args,
+            "models": models,
+            "tokenizer": tok_entry,
+            "versions": {"torch": version("torch"), "transformers": version("transformers"),
+                         "onnx": version("onnx"), "opset": OPSET},
+            "verify": report or None,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        failed = [role for role, r in report.items() if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"--verify failed for {', '.join(failed)}: "
+                               f"{json.dumps({r: report[r] for r in failed})}")
+    return manifest

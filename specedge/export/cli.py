@@ -1,0 +1,237 @@
+"""`specedge export`, `specedge build` and `specedge distill`: their arguments and what
+they run.
+
+Declaring the arguments imports nothing heavy: torch and transformers are imported when
+`export` or `distill` runs, and `build` (on the device) never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specedge.runtime.cli import fail
+from specedge.runtime.drafting.auto_k import AUTO_MAX_K
+from specedge.runtime.errors import SpecEdgeError
+
+# `--backend` names the backend the bundle is for, as in `generate` and `bench`; only
+# tensorrt needs more than the ONNX graphs (engines built for this machine's GPU).
+EXPORT_BACKENDS = ("onnx", "ort-cpu", "ort-cuda", "tensorrt")
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="checkpoint folder, .gguf file, or alias "
+                   "(smollm2-135m); or give it as --model")
+    p.add_argument("--model", dest="model_option", metavar="MODEL",
+                   help="the same as the positional MODEL")
+    p.add_argument("--out", required=True, help="bundle folder to write")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft", help="draft checkpoint sharing the target's tokenizer")
+    g.add_argument("--draft-layers", type=int, metavar="N",
+                   help="draft = the target's first N layers with its norm and head")
+    p.add_argument("--max-context", type=int, help="cap the context recorded in the bundle")
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
+                   help="weights of both graphs; int8/int4 are weight-only (MatMulNBits), "
+                   "fastest on CPU; the export reports the quantized target's change")
+    p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
+                   help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
+                   "cache in place and reads only its valid rows (ort-cpu only; Llama "
+                   "family); portable: standard ONNX operators, for every backend; auto "
+                   "(default): fused for int8/int4, portable for fp32/fp16")
+    p.add_argument("--verify", action="store_true",
+                   help="compare the graphs with transformers; fail if they disagree")
+    p.add_argument("--backend", choices=EXPORT_BACKENDS, default="onnx",
+                   help="the backend the bundle is for: onnx (default), ort-cpu or ort-cuda "
+                   "write ONNX graphs only; tensorrt also builds fp16 TensorRT engines for "
+                   "this machine's GPU (see `specedge build` for options)")
+    p.add_argument("--force", action="store_true", help="re-export even if up to date")
+
+
+def add_build_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`; "
+                   "the engines are written into it")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32", "fp8", "int8"),
+                   default="fp16", help="engine precision (default fp16; normalisation and "
+                   "softmax stay fp32); int8/fp8 need a graph with Q/DQ nodes")
+    p.add_argument("--max-prompt", type=int, default=None,
+                   help="longest prompt in tokens (default 2048, capped at the context)")
+    p.add_argument("--max-draft-tokens", type=int, default=AUTO_MAX_K,
+                   help=f"largest K the engines verify at once (default {AUTO_MAX_K})")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="largest KV cache in tokens (default: the bundle's context)")
+    p.add_argument("--timing-cache", metavar="PATH",
+                   help="TensorRT timing cache to reuse and update (default "
+                   "BUNDLE/timing.cache)")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+
+
+def add_distill_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m",
+                   help="checkpoint folder, .gguf file, or alias (default smollm2-135m)")
+    p.add_argument("--out", required=True, help="draft folder (resumes a run found there)")
+    p.add_argument("--kind", choices=("model", "feature"), default="model",
+                   help="model: a small model on tokens; feature: one layer on the target's "
+                   "features (EAGLE; runs on ort-cpu), usually accepted more often")
+    p.add_argument("--layers", type=int, default=2,
+                   help="decoder layers of a model draft (default 2)")
+    p.add_argument("--feature-layers", type=int, nargs="+", default=[], metavar="I",
+                   help="a feature draft also reads these target layers' outputs, mixed with "
+                   "the last one's (EAGLE-3; 0-based, e.g. 2 15)")
+    p.add_argument("--mlp-width", type=int, default=None, metavar="N",
+                   help="a cheaper draft: N neurons in each draft layer's MLP, kept from the "
+                   "target's largest (default: as many as the target's)")
+    p.add_argument("--head-tokens", type=int, default=8192,
+                   help="output head size: the most frequent tokens (default 8192)")
+    p.add_argument("--prompts", type=int, default=1200,
+                   help="training prompts (default 1200)")
+    p.add_argument("--varied-prompts", type=int, default=0,
+                   help="prompts of other shapes: questions, passage summaries and code requests "
+                   "(default 0)")
+    p.add_argument("--more-prompts", type=int, default=0,
+                   help="further varied prompts, answered after the others: adding them to "
+                   "a finished run keeps its data (default 0)")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="requests the target writes itself (Magpie), filtered and answered "
+                   "after the others: prompts closer to real chat; adding them to a finished "
+                   "run keeps its data (default 0)")
+    p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
+    p.add_argument("--generate-batch", type=int, default=32, metavar="N",
+                   help="prompts the target answers at once (default 32); a larger batch is "
+                   "faster and takes more memory")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ONNX weight precisions TensorRT can parse (int8/int4 are ONNX Runtime's MatMulNBits).
+TENSORRT_EXPORT_PRECISIONS = ("fp32", "fp16")
+
+
+def _tensorrt_preflight(args: argparse.Namespace) -> None:
+    """Before the slow export: fail now if the engines could not be built afterwards."""
+    if args.precision not in TENSORRT_EXPORT_PRECISIONS:
+        raise ValueError(f"--backend tensorrt needs --precision fp32 or fp16, got "
+                         f"{args.precision}: int8/int4 graphs use MatMulNBits, an ONNX Runtime "
+                         "operator TensorRT cannot parse")
+    if args.attention == "fused":
+        raise ValueError("--backend tensorrt needs --attention portable or auto: fused "
+                         "attention is an ONNX Runtime operator TensorRT cannot parse")
+    from specedge.export.tensorrt.build import preflight
+
+    preflight()
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    """MODEL, given positionally or as --model (once)."""
+    given = [m for m in (args.model, getattr(args, "model_option", None)) if m is not None]
+    if len(given) != 1:
+        fail("give the model once: `specedge export MODEL --out DIR` or `specedge export "
+             "--model MODEL --out DIR`")
+    return given[0]
+
+
+def _export_modules():
+    """The torch side, imported only when a command needs it."""
+    try:
+        from specedge.export import bundle_writer
+        from specedge.export.distill import train
+    except ImportError as e:
+        fail(f"this command needs the export extra ({e}): pip install 'specedge[export]'")
+    return bundle_writer, train
+
+
+def run(args: argparse.Namespace) -> None:
+    """`specedge export`: write the bundle, report its checks, build engines if asked."""
+    from specedge.export.tensorrt.build import build_engines
+
+    model = model_argument(args)
+    bundle_writer, _ = _export_modules()
+    tensorrt = getattr(args, "backend", "onnx") == "tensorrt"
+    try:
+        if tensorrt:
+            _tensorrt_preflight(args)
+        manifest = bundle_writer.export_bundle(model, args.out, draft=args.draft,
+                                 draft_layers=args.draft_layers, max_context=args.max_context,
+                                 precision=args.precision, attention=args.attention,
+                                 verify=args.verify, force=args.force)
+    except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written")
+    for role, report in (manifest.get("verify") or {}).items():
+        print(f"verify {role}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
+              f"(atol {report['atol']:g}), greedy {report['greedy_matches']}/"
+              f"{report['greedy_steps']} tokens match", file=sys.stderr)
+    q = manifest.get("quantization")
+    if q:
+        print(f"{manifest['precision']} target vs fp32: greedy agreement "
+              f"{q['greedy_agreement']:.0%} over {q['greedy_steps']} steps, perplexity "
+              f"{q['perplexity_fp32']:.2f} -> {q['perplexity']:.2f} "
+              f"({q['perplexity_change']:+.1%}); max logit difference "
+              f"{q.get('batch_max_logit_diff', 0):.1e} between a 4-token call and 4 steps"
+              + ("" if q.get("batch_invariant", True) else " (not batch invariant: greedy "
+                 "speculative output can part from plain decoding at near ties)"),
+              file=sys.stderr)
+    models = {role: m["file"] for role, m in manifest["models"].items()}
+    out = {"bundle": args.out, "models": models}
+    if tensorrt:
+        try:
+            manifest = build_engines(args.out, force=args.force)
+        except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
+            fail(f"the bundle {args.out} was exported, but building its TensorRT engines "
+                 f"failed: {' '.join(str(e).split())}")
+        except KeyboardInterrupt:
+            fail(f"interrupted; the bundle {args.out} was exported without engines: run "
+                 f"`specedge build --bundle {args.out}`")
+        out["engines"] = {role: e["file"] for role, e in manifest["engines"].items()}
+    print(json.dumps(out))
+
+
+def run_distill(args: argparse.Namespace) -> None:
+    """`specedge distill`: train a draft for a target; resumable."""
+    _, train = _export_modules()
+    cfg = train.DistillConfig(target=args.target, kind=args.kind, layers=args.layers,
+                        head_tokens=args.head_tokens, prompts=args.prompts,
+                        varied_prompts=args.varied_prompts,
+                        more_prompts=args.more_prompts, self_prompts=args.self_prompts,
+                        feature_layers=args.feature_layers, mlp_width=args.mlp_width,
+                        new_tokens=args.new_tokens, generate_batch=args.generate_batch,
+                        epochs=args.epochs, seed=args.seed)
+    try:
+        meta = train.distill(args.out, cfg)
+    except (ValueError, RuntimeError, OSError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; run the same command again to resume from {args.out}/work")
+    report = meta["report"]
+    print(f"{meta['kind']} draft: {meta['num_layers']} layers, "
+          f"{len(meta['head_token_ids'])} head tokens, "
+          f"trained on {meta['answer_tokens']} target tokens in {meta['seconds']} s; "
+          f"held-out top-1 agreement with the target {report['val_top1_agreement']:.2f}",
+          file=sys.stderr)
+    print(json.dumps({"draft": args.out, "report": report}))
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def run_build(args: argparse.Namespace) -> None:
+    """`specedge build`: TensorRT engines into the bundle. Torch-free."""
+    from specedge.export.tensorrt.build import build_engines
+
+    try:
+        manifest = build_engines(args.bundle, precision=args.precision,
+                                 max_prompt=args.max_prompt,
+                                 max_draft_tokens=args.max_draft_tokens,
+                                 max_context=args.max_context, timing_cache=args.timing_cache,
+                                 force=args.force)
+    except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
+        fail(_one_line(e))
+    except KeyboardInterrupt:
+        fail("interrupted; the bundle and its previous engines are unchanged")
+    engines = manifest["engines"]
+    print(json.dumps({"bundle": str(args.bundle),
+                      "engines": {role: e["file"] for role, e in engines.items()},
+                      "precision": engines["target"]["precision"],
+                      "tensorrt_version": engines["target"]["tensorrt_version"]}))

@@ -1,0 +1,105 @@
+"""What a draft is trained to minimise: cross-entropy of its head against the target's
+renormalised top-k (the model draft), plus EAGLE's feature regression (the feature draft)."""
+
+from __future__ import annotations
+
+import torch
+
+from specedge.export.drafts.feature import FeatureDraft
+from specedge.export.graph.llama import target_features
+
+
+def head_columns(head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token id -> column of the draft's head, -1 for tokens outside it."""
+    to_head = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_head[head_ids] = torch.arange(len(head_ids))
+    return to_head
+
+
+def top_k_cross_entropy(head_logits: torch.Tensor, ex: dict, to_head: torch.Tensor
+                        ) -> tuple[torch.Tensor, int]:
+    """Sum over one answer's positions of the cross-entropy of the draft's head distribution
+    against the target's renormalised top-k, and how often the two argmaxes agree."""
+    logq = torch.log_softmax(head_logits, dim=-1)
+    cols = to_head[ex["top_ids"].long()]
+    p = torch.where(cols >= 0, ex["top_logp"].float().exp(), torch.zeros(()))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    return -(p * logq.gather(1, cols.clamp_min(0))).sum(), int((logq.argmax(-1) ==
+                                                                 cols[:, 0]).sum())
+
+
+def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the draft's head distribution against the target's top-k."""
+    width = max(len(ex["ids"]) for ex in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, ex in enumerate(batch):
+        ids[b, :len(ex["ids"])] = ex["ids"].long()
+        mask[b, :len(ex["ids"])] = 1
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    to_head = head_columns(head_ids, draft.config.vocab_size)
+    head_w = draft.model.embed_tokens.weight[head_ids]
+    total, agree, count = 0.0, 0, 0
+    for b, ex in enumerate(batch):
+        n = len(ex["top_ids"])
+        ce, hits = top_k_cross_entropy(hidden[b, ex["start"]:ex["start"] + n] @ head_w.T, ex,
+                                       to_head)
+        total, agree, count = total + ce, agree + hits, count + n
+    return total / count, agree / count
+
+
+def draft_loss(draft, head_ids: torch.Tensor, batch: list[dict]
+               ) -> tuple[torch.Tensor, float]:
+    """Training loss and top-1 agreement of either kind of draft on a batch."""
+    if isinstance(draft, FeatureDraft):
+        return feature_loss(draft, batch)
+    return _loss(draft, head_ids, batch)
+
+
+def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, float]:
+    """Distillation loss of a feature draft on a batch of target answers (export/distill/).
+
+    Pair r of an example is (f_r, x_{r+1}); its prediction f^_{r+1} is scored twice:
+    * smooth L1 against the target's f_{r+1} (EAGLE's regression term), and
+    * cross-entropy of softmax(W_head f^_{r+1}) against the target's top-k distribution at
+      answer positions (what acceptance depends on).
+    A second pass feeds the first pass's predictions in place of the target's features (as
+    in drafting, where step 2 onward reads f^), so the draft learns to read its own output
+    too. Returns the loss and the first pass's top-1 agreement with the target.
+    """
+    width = max(len(ex["features"]) for ex in batch)
+    hidden = draft.config.hidden_size
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    final = torch.zeros(len(batch), width, hidden)
+    for b, ex in enumerate(batch):
+        n = len(ex["features"])
+        ids[b, :n] = ex["ids"][1:n + 1].long()
+        final[b, :n] = ex["features"].float()
+    fuse, layer_outputs = getattr(draft, "fuse", None), []  # no fuse: the final features
+    if fuse is not None:
+        layers = torch.zeros(len(batch), width, fuse.in_features - hidden)
+        for b, ex in enumerate(batch):
+            layers[b, :len(ex["features"])] = ex["layer_features"].float()
+        layer_outputs = list(layers.split(hidden, dim=-1))
+    features = target_features(fuse, layer_outputs, final)
+    first = draft.predict(ids, features)
+    second = draft.predict(ids[:, 1:], first[:, :-1])
+    to_head = head_columns(draft.specedge_head_ids, draft.config.vocab_size)
+    total, agree, count, pairs = 0.0, 0, 0, 0
+    for b, ex in enumerate(batch):
+        n, start, answer = len(ex["features"]), ex["start"], len(ex["top_ids"])
+        # fuse is learned: the regression aims at its output, not through it.
+        target = features[b, 1:n].detach()
+        total = total + torch.nn.functional.smooth_l1_loss(
+            first[b, :n - 1], target, reduction="sum") / hidden
+        total = total + 0.5 * torch.nn.functional.smooth_l1_loss(
+            second[b, :n - 2], target[1:], reduction="sum") / hidden
+        pairs += n - 1
+        # f^_{r+1} predicts the answer token at r + 2; answer i is drawn at start + i.
+        ce, hits = top_k_cross_entropy(draft.head_logits(first[b, start - 1:start - 1 + answer]),
+                                       ex, to_head)
+        total, agree, count = total + ce, agree + hits, count + answer
+        ce2, _ = top_k_cross_entropy(draft.head_logits(second[b, start - 2:start - 2 + answer]),
+                                     ex, to_head)
+        total = total + 0.5 * ce2
+    return total / count, agree / count

@@ -1,0 +1,175 @@
+"""`specedge distill`: train a small draft on text the target itself generates.
+
+On-policy distillation: the target answers a few hundred prompts (greedy for most, sampled
+at temperature 0.7 for some, so the draft also sees the target's less likely paths) and its
+top-32 next-token log-probabilities are kept at every answer position. The draft learns to
+match them (cross-entropy against the target's renormalised top-32), which is what makes
+its proposals pass the acceptance test: greedy acceptance needs argmax q == argmax p, and
+sampled acceptance is sum_x min(p(x), q(x)) = 1 - TV(p, q).
+
+The draft is cheap by construction:
+* the target's embedding table, frozen, reused as input embedding (not stored);
+* a few decoder layers of the target's width, initialised from the target's first layers
+  (their inputs are the embeddings, as in the draft; later layers expect deeper features);
+* an output head over the `head_tokens` most frequent answer tokens only (rows of the
+  embedding table); other tokens get q = 0, which the exact acceptance rule handles.
+
+`--kind feature` trains a feature draft instead (export/drafts/feature.py): one layer that
+reads the target's features, which are recorded with the answers.
+
+A draft folder holds `specedge_draft.json` (shape, head token ids, provenance) and
+`weights.safetensors` (fp16, decoder layers and final norm only). `specedge export
+--draft DIR` rebuilds it on the target's embeddings. Data, checkpoints and the training
+state live in DIR/work, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specedge.export.distill.config import DistillConfig
+from specedge.export.distill.data import (
+    add_layer_features,
+    build_dataset,
+    head_token_ids,
+)
+from specedge.export.distill.folder import (
+    DRAFT_KINDS,
+    save_draft,
+    tokenizer_digest,
+)
+from specedge.export.distill.losses import (
+    draft_loss,
+)
+from specedge.export.drafts.feature import FeatureDraft, check_feature_layers
+from specedge.export.drafts.truncated import attach_head, check_mlp_width, make_draft
+from specedge.export.files import replacing
+
+
+def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):
+    """The untrained draft that `cfg` describes, scoring `head_ids`."""
+    if cfg.kind == "feature":
+        return FeatureDraft(target, head_ids, cfg.feature_layers, cfg.mlp_width)
+    draft = make_draft(target, cfg.layers, cfg.mlp_width)
+    attach_head(draft, head_ids)
+    return draft
+
+
+def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
+          work: Path) -> dict:
+    """AdamW with cosine decay; checkpoints every 50 steps and resumes from the last."""
+    rng = random.Random(cfg.seed)
+    val = [data[i] for i in range(0, len(data), 20)]
+    train_set = [ex for i, ex in enumerate(data) if i % 20]
+    steps_per_epoch = math.ceil(len(train_set) / cfg.batch)
+    total_steps = steps_per_epoch * cfg.epochs
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / total_steps)))
+    state_path, step = work / "train.pt", 0
+    if state_path.is_file():
+        state = torch.load(state_path)
+        draft.load_state_dict(state["draft"], strict=False)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step = state["step"]
+    orders = []
+    for _ in range(cfg.epochs):
+        order = list(range(len(train_set)))
+        rng.shuffle(order)
+        orders += [order[i:i + cfg.batch] for i in range(0, len(order), cfg.batch)]
+    bar = tqdm(total=total_steps, initial=step, desc="train draft", unit="step",
+               file=sys.stderr)
+    draft.train()
+    while step < total_steps:
+        loss, agree = draft_loss(draft, head_ids, [train_set[i] for i in orders[step]])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree:.2f}")
+        if step % 50 == 0 or step == total_steps:
+            trainable = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k
+                         and "lm_head" not in k}
+            with replacing(state_path) as tmp:
+                torch.save({"draft": trainable, "opt": opt.state_dict(),
+                            "sched": sched.state_dict(), "step": step}, tmp)
+    bar.close()
+    draft.eval()
+    with torch.no_grad():
+        losses = [draft_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
+                  range(0, len(val), cfg.batch)]
+    return {"val_loss": sum(x[0].item() for x in losses) / len(losses),
+            "val_top1_agreement": sum(x[1] for x in losses) / len(losses),
+            "train_sequences": len(train_set), "val_sequences": len(val), "steps": total_steps}
+
+
+def distill(out: str | Path, cfg: DistillConfig) -> dict:
+    """Run (or resume) the whole distillation; returns the draft's metadata."""
+    from specedge.export.sources import load_model
+
+    if min(cfg.layers, cfg.head_tokens, cfg.prompts, cfg.epochs, cfg.generate_batch) < 1:
+        raise ValueError("--layers, --head-tokens, --prompts, --epochs and --generate-batch "
+                         "must be >= 1")
+    if min(cfg.varied_prompts, cfg.more_prompts, cfg.self_prompts) < 0:
+        raise ValueError("--varied-prompts, --more-prompts and --self-prompts must be >= 0, "
+                         f"got {cfg.varied_prompts}, {cfg.more_prompts} and {cfg.self_prompts}")
+    if cfg.kind not in DRAFT_KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
+    if cfg.feature_layers and cfg.kind != "feature":
+        raise ValueError("--feature-layers is for --kind feature drafts")
+    out = Path(out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    # Generated data is reused only for the same data settings; a training state only for
+    # the same settings altogether (otherwise training starts over on the cached data).
+    # Data made without --self-prompts (or without both --more-prompts and --self-prompts)
+    # may gain them: their shards come last. A setting missing from a saved settings file
+    # reads as its default, which is how data and states without it were made.
+    data_path, run_path = work / "data-settings.json", work / "settings.json"
+    if data_path.is_file():
+        made = {**DistillConfig().data_settings(), **json.loads(data_path.read_text())}
+        now = cfg.data_settings()
+        if made not in (now, {**now, "self_prompts": 0},
+                        {**now, "more_prompts": 0, "self_prompts": 0}):
+            raise ValueError(f"{work} holds data generated with other settings; use another "
+                             "--out or delete it")
+    data_path.write_text(json.dumps(cfg.data_settings(), indent=1))
+    if run_path.is_file() and {**asdict(DistillConfig()),
+                               **json.loads(run_path.read_text())} != asdict(cfg):
+        (work / "train.pt").unlink(missing_ok=True)
+    run_path.write_text(json.dumps(asdict(cfg), indent=1))
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_model(cfg.target)
+    if target.config.model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
+    # Before the answers, which can take hours, rather than when the draft is built.
+    check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
+    check_mlp_width(target.config, cfg.mlp_width)
+    t0 = time.time()
+    data = build_dataset(target, tokenizer, cfg, work)
+    head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)
+    if cfg.kind == "feature" and any("features" not in ex for ex in data):
+        raise ValueError(f"{work} holds data generated without the target's features "
+                         "(an older specedge): delete it, or use another --out")
+    draft = new_draft(target, cfg, head_ids)
+    if cfg.feature_layers:
+        add_layer_features(target, data, draft.feature_layers, work, cfg.generate_batch)
+    report = train(draft, head_ids, data, cfg, work)
+    meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
+            "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),
+            "answer_tokens": sum(len(ex["top_ids"]) for ex in data)}
+    return save_draft(draft, head_ids, out, meta)

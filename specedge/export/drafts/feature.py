@@ -1,0 +1,176 @@
+"""A feature draft (EAGLE, Li et al. 2024): one decoder layer that predicts the target's next
+feature vector from its current one.
+
+The target's feature f_r is its final norm's output at position r: what its head reads,
+p(. | x_<=r) = softmax(W f_r). Predicting the next token from f_r and the token x_{r+1}
+that was drawn from it is far easier for one layer than predicting it from tokens alone,
+as a small draft model must: f_r already holds what the target's 30 layers computed.
+
+    pair r:   g_r = fc([embed(x_{r+1}); f_r])            (2H -> H)
+              f^_{r+1} = layer(g_<=r)                   one target-shaped decoder layer,
+                                                        causal over pairs, KV cache per pair
+              q(. | x_<=r+1) = softmax(W_head f^_{r+1})  the target's head, head tokens only
+
+Drafting chains the draft's own prediction: pair r + 1 reads f^_{r+1} where the target's
+f_{r+1} is not known yet. After verification, pairs computed from predicted features are
+recomputed from the target's (drafters.FeatureDrafter), so the draft's cache only holds
+pairs built on what the target computed.
+
+With `feature_layers` (EAGLE-3, Li et al. 2025), f_r is not the last layer's output alone
+but a learned mix of it and of earlier layers' outputs:
+
+    f_r = fuse([rms(h^(a)_r); rms(h^(b)_r); ...; norm(h^(L)_r)])   ((n+1)H -> H, no bias)
+
+The last layer's features are shaped for predicting x_{r+1}; earlier layers still hold more
+of what predicting x_{r+2} needs. `fuse` is the draft's, but it runs in the target's graph
+(export/graph/), so the runtime and the bundle contract see an H-wide f_r either way.
+rms() is a parameter-free RMS norm: the residual stream's scale grows with depth.
+
+Graph I/O is the bundle's (runtime/bundle.py) plus `hidden_states_in` [1, T, H] (the f_r of
+each pair) and `hidden_states` [1, T, H] (the f^_{r+1}); the target graph of such a bundle
+outputs its f_r as `hidden_states`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from specedge.export.drafts.truncated import check_mlp_width, copy_layer
+from specedge.export.graph.attention import gqa_lengths
+from specedge.export.graph.llama import llama_bias, llama_layer, llama_layer_fused
+from specedge.export.graph.outputs import last_positions, lm_head
+from specedge.export.graph.rotary import gqa_rotary_cache, rotary_tables
+
+
+class FeatureDraft(nn.Module):
+    """fc + one decoder layer of the target's shape; embeddings, rotary table and head are
+    the target's own, frozen (not stored with the draft)."""
+
+    reads_features = True  # its graph takes the target's features as an input
+
+    def __init__(self, target: nn.Module, head_ids: torch.Tensor,
+                 feature_layers: tuple[int, ...] = (), mlp_width: int | None = None):
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = 1
+        check_mlp_width(config, mlp_width)
+        config.intermediate_size = mlp_width or config.intermediate_size
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:1]
+        # Training runs the layer through transformers' attention; sdpa is causal when
+        # given no mask (the eager path would attend to every pair).
+        config._attn_implementation = "sdpa"
+        self.config = config
+        width = config.hidden_size
+        self.fc = nn.Linear(2 * width, width)
+        self.layer = type(target.model.layers[-1])(config, layer_idx=0)
+        copy_layer(self.layer, target.model.layers[-1])
+        # Start as the identity on the feature: f^_{r+1} = f_r, a poor but sane guess (the
+        # target's distribution one position back) from which training moves: fc passes
+        # the feature half through, and the layer's two residual branches start at zero.
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, width:].copy_(torch.eye(width))
+            self.fc.bias.zero_()
+            self.layer.self_attn.o_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight.zero_()
+        self.embed_tokens = target.model.embed_tokens
+        self.rotary_emb = target.model.rotary_emb
+        self.lm_head = target.lm_head
+        for frozen in (self.embed_tokens, self.lm_head):
+            frozen.requires_grad_(False)
+        self.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
+        self.feature_layers = check_feature_layers(feature_layers, target.config.num_hidden_layers)
+        self.fuse = None
+        if self.feature_layers:
+            # Starts as the last layer's features alone, the draft without earlier layers.
+            self.fuse = nn.Linear((len(self.feature_layers) + 1) * width, width, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -width:].copy_(torch.eye(width))
+
+    rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse_attention
+
+    def fuse_attention(self) -> None:
+        """From now on the graph (`forward`) runs its layer on GroupQueryAttention, KV
+        layout "bhsd-inplace" (export/graph/); training is unchanged."""
+        self.rotary_cache = gqa_rotary_cache(self.rotary_emb, self.config)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a draft folder stores: fc, the layer, and fuse if it reads earlier layers."""
+        return {k: v for k, v in self.state_dict().items()
+                if k.startswith(("fc.", "layer.", "fuse."))}
+
+    def _pairs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """g_r = fc([embed(x_{r+1}); f_r]), the layer's input."""
+        return self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+
+    def predict(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Training: f^_{r+1} for pairs (f_r, x_{r+1}); input_ids [B, L], features [B, L, H]
+        -> [B, L, H]. Padding goes at the end (attention is causal)."""
+        x = self._pairs(input_ids, features)
+        positions = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+        cos, sin = self.rotary_emb(x, positions)
+        return self.layer(x, position_ids=positions, position_embeddings=(cos, sin))
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the head tokens only, [..., head_tokens]."""
+        return features @ self.lm_head.weight[self.specedge_head_ids].T
+
+    def forward(self, input_ids, position_ids, past_length, logits_to_keep, past_k, past_v,
+                features):
+        """The graph: one call over T pairs with the bundle's KV-cache contract."""
+        x = self._pairs(input_ids, features)
+        if self.rotary_cache is not None:
+            x, k, v = llama_layer_fused(self.layer, x, past_k, past_v,
+                                        gqa_lengths(past_length, input_ids),
+                                        self.rotary_cache, position_ids)
+        else:
+            rotary = rotary_tables(*self.rotary_emb(x, position_ids),
+                                   self.layer.self_attn.head_dim)
+            bias = llama_bias(self.config, past_length, past_k, input_ids, x.dtype)
+            x, k, v = llama_layer(self.layer, x, rotary, past_k, past_v, bias)
+        return lm_head(self, last_positions(x, logits_to_keep)), k, v, x
+
+
+class _Enough(Exception):
+    """Ends the target's forward pass once every wanted output is recorded."""
+
+
+def target_layer_outputs(target: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None,
+                         layers: tuple[int, ...], final: bool = False) -> dict:
+    """The target's outputs of decoder `layers` on `ids` [B, L] (and its final norm's, key
+    "final", if `final`); without `final` the pass stops after the last of `layers`."""
+    base, outputs = target.model, {}
+    wanted = [(i, base.layers[i]) for i in layers] + ([("final", base.norm)] if final else [])
+
+    def keep(key):
+        def hook(module, args, out):
+            outputs[key] = out[0] if isinstance(out, tuple) else out
+            if len(outputs) == len(wanted):
+                raise _Enough
+        return hook
+
+    hooks = [module.register_forward_hook(keep(key)) for key, module in wanted]
+    try:
+        with torch.no_grad():
+            base(input_ids=ids, attention_mask=mask)
+    except _Enough:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """Distinct target layer indices in [0, num_layers - 1), ascending (the last layer's
+    output is always read, through the final norm)."""
+    layers = tuple(sorted(set(int(i) for i in layers)))
+    if any(not 0 <= i < num_layers - 1 for i in layers):
+        raise ValueError(f"--feature-layers must be target layers 0..{num_layers - 2} (the "
+                         f"last one is always read), got {list(layers)}")
+    return layers

@@ -1,0 +1,117 @@
+"""Trace a model into an ONNX graph file with the bundle's KV-cache I/O: the export module
+for its family (`wrap`), the trace, and the tied head shared with the embedding table."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import torch
+from torch import nn
+
+from specedge.export.graph.families import (
+    GPT2_FAMILY,
+    LLAMA_FAMILY,
+    SUPPORTED_ARCHITECTURES,
+    fused_attention,
+    model_dims,
+)
+from specedge.export.graph.gpt2 import GPT2Decoder
+from specedge.export.graph.llama import LlamaFamilyDecoder
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, graph_io
+
+OPSET = 21
+# Bumped when the same checkpoint would export to a different graph, so that bundles made
+# by an older exporter are not taken as up to date (specedge/export/bundle_writer.py).
+# The revisions are listed in CHANGELOG.md.
+GRAPH_REVISION = 4
+
+
+def wrap(model: nn.Module, features: bool | nn.Module = False,
+         fused: bool = False) -> nn.Module:
+    """The export module for a Hugging Face causal LM, or ValueError if unsupported.
+
+    `features`: the graph also outputs the target's features for a feature draft (True,
+    or the feature draft: LlamaFamilyDecoder).
+    `fused`: attention on ONNX Runtime's GroupQueryAttention (Llama family only)."""
+    model_type = model.config.model_type
+    if features and model_type not in LLAMA_FAMILY:
+        raise ValueError(f"feature drafts need a Llama, Mistral or Qwen2 target, not "
+                         f"{model_type!r}")
+    if fused:
+        fused_attention("fused", "", model.config)  # raises for models it cannot have
+    if model_type in LLAMA_FAMILY:
+        return LlamaFamilyDecoder(model, features, fused)
+    if model_type in GPT2_FAMILY:
+        return GPT2Decoder(model)
+    raise ValueError(f"architecture {model_type!r} is not supported; supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def share_tied_head(path: str) -> bool:
+    """Make the LM head read the embedding table instead of its own transposed copy.
+
+    The exporter folds `x @ W^T` into MatMul(x, W^T) with W^T stored as a second initializer;
+    for tied embeddings that is a duplicate of the largest tensor (113 MB for SmolLM2).
+    Gemm(x, W, transB=1) computes the same product from W itself.
+    """
+    m = onnx.load(path)
+    inits = {i.name: i for i in m.graph.initializer}
+    gathers = [n.input[0] for n in m.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    changed = False
+    for node in m.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        head = onnx.numpy_helper.to_array(inits[node.input[1]])
+        for name in gathers:
+            table = inits[name]
+            if list(table.dims) == list(head.shape[::-1]) and np.array_equal(
+                    onnx.numpy_helper.to_array(table), head.T):
+                m.graph.initializer.remove(inits.pop(node.input[1]))
+                node.op_type = "Gemm"
+                node.input[1] = name
+                node.attribute.append(onnx.helper.make_attribute("transB", 1))
+                changed = True
+                break
+    if changed:
+        onnx.save(m, path)
+    return changed
+
+
+def export_onnx(model: nn.Module, path: str, share_head: bool = True,
+                features: bool | nn.Module = False, fused: bool = False) -> None:
+    """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
+
+    `share_head`: for tied embeddings, let the LM head read the embedding table (no second
+    copy). Quantized exports keep the copy, so that the head gets quantized as a MatMul.
+    `features`: a target that also outputs its features (True, or the feature draft that
+    reads them: LlamaFamilyDecoder). A feature draft (export/drafts/feature.py) is its own
+    export module and always has feature I/O.
+    `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (a feature draft is
+    switched to it with its `fuse_attention`).
+    """
+    dims = model_dims(model)
+    n, kv, d = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
+    dtype = next(model.parameters()).dtype
+    t, capacity = 3, 8  # example sizes; both axes are dynamic in the graph
+    reads = getattr(model, "reads_features", False)  # a feature draft (export/drafts)
+    args = (torch.zeros(1, t, dtype=torch.long), torch.arange(2, 2 + t).unsqueeze(0),
+            torch.tensor([2]), torch.tensor([t]),
+            *[torch.zeros(1, kv, capacity, d, dtype=dtype) for _ in range(2 * n)])
+    if reads:
+        args += (torch.zeros(1, t, model.config.hidden_size, dtype=dtype),)
+    inputs, outputs = graph_io(n, reads, bool(features) or reads)
+    dynamic = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "logits": {1: "N"}}
+    for name in inputs[4:]:
+        dynamic[name] = {1: "T"} if name == FEATURES_IN else {2: "C"}
+    for name in outputs[1:]:
+        dynamic[name] = {1: "T"} if name == FEATURES_OUT else {2: "C" if fused else "T"}
+    if reads and fused:
+        model.fuse_attention()
+    module = model if reads else wrap(model, features, fused)
+    with torch.no_grad():
+        torch.onnx.export(module.eval(), args, path, input_names=inputs,
+                          output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
+                          dynamo=False)
+    if share_head and model.config.tie_word_embeddings:
+        share_tied_head(path)

@@ -1,0 +1,1 @@
+"""`specedge build`: a bundle's ONNX graphs -> TensorRT engines, on the device. Torch-free."""

@@ -1,0 +1,125 @@
+"""The device backend: the `forward(cache, token_ids, logits_to_keep)` of backends/__init__.py on an
+engine (engines.py) and device memory (memory.py).
+
+One call of T tokens, in order (docs/design.md#kv-cache-contract-and-rollback):
+    1. one upload: input_ids, position_ids, past_length = cache.length, logits_to_keep
+    2. engine.execute: the graph reads cache rows [0, past_length), writes logits and the
+       T new K/V rows into the arena's `presents` (plan: binding_plan)
+    3. cache.write(T): strided copies of those rows to [length, length + T)
+    4. download the kept logits (host sampling; the only device -> host copy of a step), or,
+       with `sampler` set (token_choice.DeviceChoice), leave them where they are
+Prompts longer than the engine's `max_tokens` are prefilled in chunks, which the graph
+supports as is: a chunk is a call with past_length > 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specedge.runtime.backends.device_kv_cache import DeviceKVCache, kv_region
+from specedge.runtime.backends.engines import TensorBinding
+from specedge.runtime.bundle import ModelSpec, graph_io
+
+
+def binding_plan(spec: ModelSpec, cache: DeviceKVCache, t: int,
+                 n: int) -> list[TensorBinding]:
+    """Every input and output of the graph for T tokens and N kept logits, at the arena's
+    fixed addresses (bundle.py's contract, in graph order)."""
+    if not 1 <= n <= min(t, cache.max_keep) or t > cache.max_tokens:
+        raise ValueError(f"a call of {t} tokens keeping {n} logits does not fit buffers of "
+                         f"{cache.max_tokens} tokens / {cache.max_keep} logits")
+    inputs, outputs = graph_io(spec.num_layers)
+    kv_dtype = np.dtype(spec.dtype).type
+    base = cache.address("inputs")
+    mt = cache.max_tokens
+    plan = [TensorBinding("input_ids", base, (1, t), np.int64, False),
+            TensorBinding("position_ids", base + 8 * mt, (1, t), np.int64, False),
+            TensorBinding("past_length", base + 8 * 2 * mt, (1,), np.int64, False),
+            TensorBinding("logits_to_keep", base + 8 * (2 * mt + 1), (1,), np.int64, False)]
+    full = (1, spec.num_kv_heads, cache.capacity, spec.head_dim)
+    for j, name in enumerate(inputs[4:]):
+        plan.append(TensorBinding(name, cache.address(kv_region(j)), full, kv_dtype, False))
+    plan.append(TensorBinding("logits", cache.address("logits"), (1, n, spec.vocab_size),
+                              np.float32, True))
+    new_rows = (1, spec.num_kv_heads, t, spec.head_dim)
+    for j, name in enumerate(outputs[1:]):
+        plan.append(TensorBinding(name, cache.present_address(j), new_rows, kv_dtype, True))
+    return plan
+
+
+class DeviceBackend:
+    """A graph on an engine over device memory; same interface as OrtCpuBackend."""
+
+    grows_cache = False  # DeviceKVCache has no `grown`: one capacity per generation
+
+    def __init__(self, name: str, spec: ModelSpec, engine, memory, sampler=None):
+        self.name, self.spec, self.engine, self.memory = name, spec, engine, memory
+        self.sampler = sampler  # device_sampling.DeviceSampler / HostSampler, or None
+        self.run_seconds = 0.0
+        self._cache: DeviceKVCache | None = None
+        self._plans: dict[tuple[int, int], list[TensorBinding]] = {}
+        self._host_values: dict[str, np.ndarray] = {}
+        self._staging = np.zeros(2 * engine.max_tokens + 2, np.int64)
+        self._logits = np.zeros((engine.max_keep, spec.vocab_size), np.float32)
+
+    def new_cache(self, capacity: int) -> DeviceKVCache:
+        max_tokens = min(capacity, self.engine.max_tokens)
+        return DeviceKVCache(self.memory, self.spec, capacity, max_tokens,
+                             min(max_tokens, self.engine.max_keep))
+
+    def forward(self, cache: DeviceKVCache, token_ids: list[int] | np.ndarray,
+                logits_to_keep: int = 1) -> np.ndarray:
+        """Run T tokens; returns logits [logits_to_keep, vocab] (a view, valid until the next
+        call) and appends their K/V rows to `cache`."""
+        self.forward_rows(cache, token_ids, logits_to_keep)
+        out = self._logits[:logits_to_keep]
+        self.memory.download(cache.address("logits"), out)
+        return out
+
+    def forward_rows(self, cache: DeviceKVCache, token_ids: list[int] | np.ndarray,
+                     logits_to_keep: int = 1) -> int:
+        """`forward` without the download: the logits stay at cache.address("logits")."""
+        ids = np.asarray(token_ids, np.int64).reshape(-1)
+        t = ids.size
+        if t == 0 or not 1 <= logits_to_keep <= t:
+            raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
+        if cache.length + t > cache.capacity:
+            raise ValueError(f"KV cache full: {cache.length + t} rows, capacity "
+                             f"{cache.capacity}")
+        if logits_to_keep > cache.max_keep:
+            raise ValueError(f"{logits_to_keep} logits per call exceed this engine's "
+                             f"{cache.max_keep}: draft fewer tokens (or rebuild the engines "
+                             "with a larger --max-draft-tokens)")
+        if self._cache is not cache:
+            self._cache, self._plans = cache, {}
+            self.engine.forget()
+            # Views of the staged scalars, which TensorRT reads from the host (shape tensors).
+            mt = cache.max_tokens
+            self._host_values = {"past_length": self._staging[2 * mt:2 * mt + 1],
+                                 "logits_to_keep": self._staging[2 * mt + 1:2 * mt + 2]}
+        step = cache.max_tokens
+        # Only the last chunk's logits are kept; it holds at least logits_to_keep tokens.
+        last = max(0, t - max(logits_to_keep, (t - 1) % step + 1))
+        for start in range(0, last, step):
+            self._step(cache, ids[start:min(start + step, last)], 1)
+        self._step(cache, ids[last:], logits_to_keep)
+        return cache.address("logits")
+
+    def _step(self, cache: DeviceKVCache, ids: np.ndarray, n: int) -> None:
+        t, mt = ids.size, cache.max_tokens
+        s = self._staging
+        s[:t] = ids
+        s[mt:mt + t] = np.arange(cache.length, cache.length + t)
+        s[2 * mt:2 * mt + 2] = cache.length, n
+        self.memory.upload(cache.address("inputs"), s[:2 * mt + 2])
+        key = (t, n)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = binding_plan(self.spec, cache, t, n)
+        t0 = time.perf_counter()
+        self.engine.execute((id(cache), t, n), plan, self._host_values)
+        self.memory.synchronize()
+        self.run_seconds += time.perf_counter() - t0
+        cache.write(t)

@@ -1,0 +1,178 @@
+"""The ort-cpu backend: ONNX Runtime's CPU execution provider, with IO binding, and the
+session every ONNX Runtime backend opens (checked against the bundle's contract)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE, ModelSpec
+from specedge.runtime.errors import BackendUnavailableError, BundleError
+from specedge.runtime.kv_cache import KVCache
+
+MAX_KEPT_T = 16
+# The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
+# graphs feed it (microsoft/onnxruntime#23944); tested with 1.31.
+MIN_ORT_FUSED = (1, 22)
+
+
+
+@dataclass
+class _Binding:
+    """IO binding for one (T tokens, N kept logits) shape, with the buffers it points to."""
+
+    io: object
+    ids: np.ndarray       # [2, 1, T]: input_ids, position_ids
+    logits: np.ndarray    # [1, N, vocab]
+    presents: np.ndarray | None  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
+    #                              (None: the graph writes them into the cache in place)
+    features_in: np.ndarray | None   # [1, T, H], a feature draft's input
+    features_out: np.ndarray | None  # [1, T, H], a graph's feature output
+
+
+class OrtCpuBackend:
+    """ONNX Runtime, CPU execution provider, with IO binding.
+
+    The cache buffers, the small int inputs and the output buffers are bound by address, so a
+    step allocates nothing and copies only the T new K/V rows (nothing, for a graph that
+    writes them in place: its presents are bound to the cache buffers). One binding is kept per
+    (T, N) shape in use (the target alternates K+1 and smaller T, the draft 1 and 2), and
+    all are dropped when the cache changes.
+    """
+
+    name = "ort-cpu"
+
+    def __init__(self, spec: ModelSpec, threads: int | None = None):
+        self.spec = spec
+        # A portable graph attends over the whole capacity, so its cache starts small and
+        # grows (a new cache object is bound at its first call); an in-place graph reads
+        # only the valid rows, so growing would only copy.
+        self.grows_cache = spec.kv_layout != KV_LAYOUT_IN_PLACE
+        self.session = open_session(spec, threads, "CPUExecutionProvider")
+        self._inputs, self._outputs = spec.io()
+        self._past_length = np.zeros(1, np.int64)
+        self._keep = np.zeros(1, np.int64)
+        self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
+        self._bindings: dict[tuple[int, int], _Binding] = {}
+        self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
+        self.features: np.ndarray | None = None  # [T, H] of the last call (feature output)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity)
+
+    def _bind(self, cache: KVCache, t: int, n: int) -> _Binding:
+        """Bind every tensor for T input tokens and N kept logits."""
+        s = self.spec
+        row = (1, s.num_kv_heads, t, s.head_dim)
+        in_place = s.kv_layout == KV_LAYOUT_IN_PLACE
+        presents = None if in_place else np.zeros((2 * s.num_layers, *row), np.float32)
+        width = (1, t, s.features)
+        b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
+                     logits=np.zeros((1, n, s.vocab_size), np.float32), presents=presents,
+                     features_in=np.zeros(width, np.float32) if s.reads_features else None,
+                     features_out=np.zeros(width, np.float32) if s.features else None)
+        for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
+                          ("past_length", self._past_length), ("logits_to_keep", self._keep)):
+            b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+        for i in range(s.num_layers):
+            for name, buf in ((self._inputs[4 + 2 * i], cache.keys[i]),
+                              (self._inputs[5 + 2 * i], cache.values[i])):
+                b.io.bind_input(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+        b.io.bind_output("logits", "cpu", 0, np.float32, list(b.logits.shape),
+                         b.logits.ctypes.data)
+        for j, name in enumerate(self._outputs[1:1 + 2 * s.num_layers]):
+            buf = cache.planes[j] if in_place else b.presents[j]
+            b.io.bind_output(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+        if b.features_in is not None:
+            b.io.bind_input(FEATURES_IN, "cpu", 0, np.float32, list(width),
+                            b.features_in.ctypes.data)
+        if b.features_out is not None:
+            b.io.bind_output(FEATURES_OUT, "cpu", 0, np.float32, list(width),
+                             b.features_out.ctypes.data)
+        return b
+
+    def forward(self, cache: KVCache, token_ids: list[int] | np.ndarray,
+                logits_to_keep: int = 1, features: np.ndarray | None = None) -> np.ndarray:
+        """Run T tokens; returns logits [logits_to_keep, vocab] (a view, valid until the next
+        call with the same T and logits_to_keep) and appends their K/V rows to `cache`.
+        A feature draft takes `features` [T, H]; a graph with feature output leaves its
+        [T, H] in `self.features` (a view, valid as long as the logits)."""
+        t = len(token_ids)
+        if t == 0 or not 1 <= logits_to_keep <= t:
+            raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
+        if self.spec.reads_features and (features is None or len(features) != t):
+            raise ValueError(f"a feature draft needs features for each of the {t} tokens")
+        if cache.length + t > cache.capacity:
+            raise ValueError(f"KV cache full: {cache.length + t} rows, capacity "
+                             f"{cache.capacity}")
+        if self._cache is not cache:
+            self._cache, self._bindings = cache, {}
+        key = (t, logits_to_keep)
+        b = self._bindings.get(key)
+        if b is None:
+            b = self._bind(cache, t, logits_to_keep)
+            if t <= MAX_KEPT_T:  # decode shapes recur; a prefill's length rarely does
+                self._bindings[key] = b
+        b.ids[0, 0] = token_ids
+        if b.features_in is not None:
+            b.features_in[0] = features
+        b.ids[1, 0] = np.arange(cache.length, cache.length + t)
+        self._past_length[0] = cache.length
+        self._keep[0] = logits_to_keep
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(b.io)
+        self.run_seconds += time.perf_counter() - t0
+        if b.presents is None:
+            cache.advance(t)
+        else:
+            cache.write(b.presents)
+        self.features = None if b.features_out is None else b.features_out[0]
+        return b.logits[0]
+
+
+def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
+    """The graph must have the contract's inputs and the manifest's static sizes."""
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    if set(inputs) != set(names):
+        raise BundleError(f"{spec.path} does not have the bundle's inputs (expected "
+                          f"{names[:5]}...); re-export the bundle")
+    checks = [("num_kv_heads", inputs[names[4]][1], spec.num_kv_heads),
+              ("head_dim", inputs[names[4]][3], spec.head_dim),
+              ("vocab_size", session.get_outputs()[0].shape[2], spec.vocab_size)]
+    for field, graph_value, manifest_value in checks:
+        if isinstance(graph_value, int) and graph_value != manifest_value:
+            raise BundleError(f"{spec.path} has {field} {graph_value} but the manifest says "
+                              f"{manifest_value}: the manifest does not describe this graph; "
+                              "re-export the bundle")
+
+
+def open_session(spec: ModelSpec, threads: int | None, provider: str):
+    """An ONNX Runtime session for one graph of a bundle, checked against the contract."""
+    import onnxruntime as ort
+
+    here = tuple(int(p) for p in ort.__version__.split(".")[:2])
+    if spec.kv_layout == KV_LAYOUT_IN_PLACE and here < MIN_ORT_FUSED:
+        raise BackendUnavailableError(
+            f"{spec.path} uses ONNX Runtime's GroupQueryAttention with position_ids, which "
+            f"needs onnxruntime >= {'.'.join(map(str, MIN_ORT_FUSED))} (this is "
+            f"{ort.__version__}): pip install -U onnxruntime, or export the bundle with "
+            "--attention portable")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    # Target and draft run one after the other, each with its own thread pool. A pool
+    # busy-waits (spins) for more work after its run by default, taking the cores the other
+    # session's run needs: on 2 cores that made a K=2 step run at 0.6x plain decoding, and
+    # 0.86x once pools stop spinning at the end of a run (they still spin inside it).
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    try:
+        session = ort.InferenceSession(str(spec.path), options, providers=[provider])
+    except Exception as e:  # ORT raises several types for unreadable graphs
+        raise BundleError(f"ONNX Runtime could not load {spec.path}: {e}; the file is "
+                          "corrupt or not an ONNX graph: re-export the bundle") from e
+    _check_graph(session, spec, spec.io()[0])
+    return session

@@ -1,0 +1,190 @@
+"""`Generator`, the public API: load a bundle, turn a prompt into token ids, run the loop
+(loop.py) and turn its tokens into text, honouring eos and stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specedge.runtime.backends import load_backend
+from specedge.runtime.bundle import load_bundle
+from specedge.runtime.config import GenerationConfig, check_token_ids
+from specedge.runtime.drafting import (
+    FeatureDrafter,
+    LookupThenModelDrafter,
+    ModelDrafter,
+    make_drafter,
+)
+from specedge.runtime.drafting.auto_k import Histories
+from specedge.runtime.kv_cache import capacity_for
+from specedge.runtime.loop import Decoding, decode
+from specedge.runtime.stats import StepClock, summarize
+from specedge.runtime.text import TextCodec
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict
+    stop_reason: str  # "eos", "stop_string" or "max_new_tokens"
+
+
+class Generator:
+    """A bundle opened on a backend: `generate` and `stream` run exact speculative decoding
+    with its draft (or prompt lookup, or none). One generation at a time."""
+
+    def __init__(self, bundle, target, draft, codec: TextCodec):
+        self.bundle = bundle
+        self.target = target
+        self.draft = draft
+        self.codec = codec
+        self.last_result: GenerationResult | None = None
+        self._cache = None  # the target's KV cache, reused by the next generation
+        self._model_drafter = None
+        if draft is not None:
+            feature_draft = bundle.draft.reads_features
+            self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
+        # What recent steps cost and accepted, for `auto`, kept across generations.
+        self._histories = Histories()
+
+    @classmethod
+    def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
+                    threads: int | None = None) -> Generator:
+        """Load and validate a bundle folder and open its graphs on `backend`."""
+        bundle = load_bundle(path)
+        target = load_backend(backend, bundle, "target", threads)
+        draft = load_backend(backend, bundle, "draft", threads) if bundle.draft else None
+        return cls(bundle, target, draft, TextCodec(bundle))
+
+    def max_context(self, drafter=None) -> int:
+        """Largest prompt + new tokens: the target's context, and the draft's if it runs."""
+        limits = [self.bundle.target.max_context]
+        if isinstance(drafter, (ModelDrafter, LookupThenModelDrafter)):
+            limits.append(self.bundle.draft.max_context)
+        return min(limits)
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Generate a completion; see `stream` for the arguments."""
+        for _ in self.stream(prompt, **kwargs):
+            pass
+        return self.last_result
+
+    def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
+               messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
+               config: GenerationConfig | None = None, **settings) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
+
+        Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
+        `prompt_ids` or `messages`. The settings are a `GenerationConfig` (`config`), its
+        fields as keyword arguments (max_new_tokens, temperature, top_k, top_p, seed,
+        draft_tokens, use_draft, drafter, draft_threshold, stop), or both: the keywords
+        replace the config's values. With a stop string, `token_ids` ends with the token
+        that completes the text.
+        """
+        ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
+        config = GenerationConfig.of(config, **settings)
+        proposer = make_drafter(config.drafter, self._model_drafter) if config.use_draft \
+            else None
+        context_limit = self.max_context(proposer)
+        if len(ids) + config.max_new_tokens > context_limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                             f"({config.max_new_tokens}) exceeds the bundle's context of "
+                             f"{context_limit} tokens; shorten the prompt or lower "
+                             "max_new_tokens")
+        state = self._decoding(ids, config, proposer)
+        tokens: list[int] = []
+        reason = "max_new_tokens"
+        text = ""
+        chunks = decode(state, ids, self._histories, self._model_seconds)
+        eos = set(self.bundle.eos_token_ids)
+
+        def accepted() -> Iterator[list[int]]:
+            nonlocal reason
+            for chunk in chunks:
+                for i, tok in enumerate(chunk):
+                    if tok in eos:
+                        tokens.extend(chunk[:i + 1])
+                        reason = "eos"
+                        yield chunk[:i]
+                        return
+                tokens.extend(chunk)
+                yield chunk
+
+        # Text that could be the start of a stop string is held back until it is not.
+        stops = config.stops
+        longest = max(map(len, stops), default=0)
+        emitted = 0
+        for piece in self.codec.stream(accepted()):
+            search_from = max(0, len(text) - longest)
+            text += piece
+            cut = min((i for s in stops if (i := text.find(s, search_from)) >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                reason = "stop_string"
+            ready = len(text) if cut >= 0 else len(text) - max(0, longest - 1)
+            if ready > emitted:
+                yield text[emitted:ready]
+                emitted = ready
+            if cut >= 0:
+                break
+        if emitted < len(text):
+            yield text[emitted:]
+        chunks.close()
+        self._cache = state.cache  # it may have grown
+        if reason == "stop_string":
+            # The last chunk may run past the stop string: keep the tokens the text needs.
+            while tokens and len(self.codec.decode(tokens[:-1])) >= len(text):
+                tokens.pop()
+        clock = state.clock
+        clock.finish()
+        stats = summarize(clock, len(tokens), "auto" if config.auto else config.k_max,
+                          proposer.name if proposer else "none", self.target.name, reason)
+        stats["sampling_on"] = state.choice.where
+        self.last_result = GenerationResult(text, tokens, stats, reason)
+
+    def _decoding(self, prompt: list[int], config: GenerationConfig, drafter) -> Decoding:
+        """The state of one generation, with the target's cache ready for the prompt."""
+        limit = capacity_for(len(prompt) + config.max_new_tokens, self.max_context(drafter))
+        # A portable graph attends over the whole capacity: its host cache starts with room
+        # for the prompt and grows between steps (kv_cache.py); other caches are sized once.
+        capacity = capacity_for(len(prompt), limit) if self.target.grows_cache else limit
+        if self._cache is None or self._cache.capacity != capacity:
+            self._cache = self.target.new_cache(capacity)
+        self._cache.rollback(0)
+        return Decoding(self.target, self._cache, drafter, config,
+                        np.random.default_rng(config.seed), StepClock(), limit)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _model_seconds(self) -> float:
+        return self.target.run_seconds + (self.draft.run_seconds if self.draft else 0.0)
+
+    def _prompt_ids(self, prompt, prompt_ids, messages, raw) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("pass exactly one of prompt, prompt_ids or messages")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt.strip():
+                raise ValueError("prompt is empty: give some text to continue")
+            if raw or not self.codec.has_chat_template:
+                ids = self.codec.encode(prompt)
+            else:
+                ids = self.codec.encode_chat([{"role": "user", "content": prompt}])
+        elif messages is not None:
+            if not messages:
+                raise ValueError("messages is empty: give at least one message")
+            ids = self.codec.encode_chat(messages)
+        else:
+            ids = prompt_ids
+        ids = check_token_ids(ids, self.bundle.target.vocab_size)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens: give some text to continue")
+        return ids

@@ -1,0 +1,124 @@
+"""The speculative step and the decoding loop.
+
+One step (docs/design.md#the-speculative-step):
+
+    drafts, q = drafter.propose(context, k)          # 1. K draft tokens and q_1..q_K
+    rows = target([last token] + drafts)             # 2. one call -> p_1..p_{K+1}
+    n, token = choice.verify(rows, drafts, q)        # 3-6. accept n drafts, emit one more
+    rollback both caches to the accepted rows        # rollback = set the length
+
+Plain decoding is the same step with k = 0, so the baseline shares every line of the loop.
+`decode` only iterates: it picks K, runs the step, records what it cost and accepted, and
+yields the new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from specedge.runtime.config import GenerationConfig
+from specedge.runtime.drafting.auto_k import Histories, auto_k
+from specedge.runtime.kv_cache import capacity_for
+from specedge.runtime.stats import StepClock
+from specedge.runtime.token_choice import choice_for
+
+
+@dataclass
+class Decoding:
+    """What one generation's steps share. `cache` is the target's KV cache; a host cache
+    is replaced by a larger one when a step would not fit (kv_cache.py, `grown`)."""
+
+    target: object                 # a backend (backends/__init__.py, Backend)
+    cache: object                  # the target's KV cache
+    drafter: object | None         # a drafter (drafting/__init__.py), None: plain decoding
+    config: GenerationConfig
+    rng: np.random.Generator
+    clock: StepClock
+    limit: int                     # the largest cache this generation may need
+
+    def __post_init__(self) -> None:
+        self.choice = choice_for(self.target)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step did: `new` is the n accepted drafts and the target's own next token."""
+
+    new: list[int]
+    drafted: int
+    accepted: int
+    draft_calls: int
+
+
+def speculative_step(d: Decoding, context: list[int], k: int) -> Step:
+    """Draft up to k tokens after `context`, verify them with one target call, and roll both
+    caches back to what was accepted."""
+    drafter, sampling, clock = d.drafter, d.config.sampling, d.clock
+    drafts, q, draft_calls = [], None, 0
+    if drafter and k > 0:
+        calls = drafter.calls
+        with clock.time("draft"):
+            drafts, q = drafter.propose(context, k, sampling, d.rng, d.config.draft_threshold)
+        draft_calls = drafter.calls - calls
+    if d.cache.length + len(drafts) + 1 > d.cache.capacity:
+        d.cache = d.cache.grown(capacity_for(d.cache.length + len(drafts) + 1, d.limit))
+    with clock.time("target"):
+        rows = d.choice.run(d.target, d.cache, [context[-1], *drafts], len(drafts) + 1)
+        if drafter and drafter.needs_features:
+            drafter.observe(d.target.features, len(context) - 1)
+    with clock.time("sampling"):
+        n, token = d.choice.verify(rows, drafts, q, sampling, d.rng)
+    # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
+    d.cache.rollback(len(context) + n)
+    if drafter:
+        drafter.rollback(len(context) + n)
+    return Step([*drafts[:n], token], len(drafts), n, draft_calls)
+
+
+def prefill(d: Decoding, prompt: list[int]) -> int:
+    """Run the prompt through the target (and the drafter) and choose the first token."""
+    with d.clock.time("prefill"):
+        rows = d.choice.run(d.target, d.cache, prompt, 1)
+        if d.drafter:
+            d.drafter.start(prompt, d.limit)
+            if d.drafter.needs_features:
+                d.drafter.observe(d.target.features, 0)
+    with d.clock.time("sampling"):
+        return d.choice.pick(rows, d.config.sampling, d.rng)
+
+
+def decode(d: Decoding, prompt: list[int], histories: Histories,
+           model_seconds) -> Iterator[list[int]]:
+    """Yield the tokens of each step, up to max_new_tokens in all. `histories` carries
+    auto's measurements across generations; `model_seconds()` is the time spent inside the
+    backends so far, for the share of time outside them."""
+    config, drafter, clock = d.config, d.drafter, d.clock
+    max_new = config.max_new_tokens
+    token = prefill(d, prompt)
+    clock.model_start = model_seconds()
+    context, new = [*prompt, token], [token]
+    yield new
+    generated = 1
+    while generated < max_new:
+        source = drafter.source(context) if drafter else "none"
+        history = histories.of(source, config.sampling.greedy)
+        # Never draft past max_new_tokens: the last slot is the target's own token.
+        k = min(auto_k(history, config.k_max) if config.auto else config.k_max,
+                max_new - generated - 1)
+        step = speculative_step(d, context, k)
+        clock.record_step(step.drafted, step.accepted)
+        clock.draft_calls += step.draft_calls
+        # A draft that took in more than the last step's tokens was catching up: not what a
+        # draft step costs (drafting/__init__.py, `caught_up`), so it does not feed d.
+        steady = step.draft_calls and drafter.caught_up <= len(new)
+        history.observe(step.drafted, step.accepted,
+                        clock.last["target"] + clock.last["sampling"], clock.last["draft"],
+                        step.draft_calls if steady else 0)
+        new = step.new
+        context += new
+        generated += len(new)
+        clock.model_end = model_seconds()
+        yield new

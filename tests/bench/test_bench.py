@@ -1,0 +1,178 @@
+"""`specedge bench` on a tiny bundle: every configuration runs and every output is written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specedge.bench.configs import aggregate, configurations
+from specedge.cli import main
+from specedge.prompts import load_prompts
+
+
+def test_prompt_set_covers_the_three_tasks():
+    prompts = load_prompts()
+    cats = {p["category"] for p in prompts}
+    assert len(prompts) >= 30 and cats == {"chat", "summarize", "code"}
+    assert all(p["prompt"].strip() for p in prompts)
+
+
+def test_every_configuration_names_its_drafter():
+    """The generator's default drafter is lookup+model: the draft model's rows must ask for
+    it by name, or they would measure the default."""
+    for name, kwargs in configurations([1, 2], has_draft=True):
+        if kwargs.get("use_draft", True):
+            drafter = name.split("/")[1].rsplit(" ", 1)[0]
+            assert kwargs["drafter"] == {"draft": "model"}.get(drafter, drafter), name
+
+
+def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
+    out = tmp_path / "bench"
+    main(["bench", "--bundle", str(tiny_bundle), "--limit", "3", "--max-new-tokens", "12",
+          "--ks", "2", "3", "--no-baselines", "--out", str(out)])
+    results = json.loads((out / "bench.json").read_text())
+    configs = results["configurations"]
+    assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
+                            "greedy/draft auto", "greedy/prompt-lookup K=4",
+                            "greedy/prompt-lookup auto", "greedy/lookup+model K=2",
+                            "greedy/lookup+model auto", "sampled/plain",
+                            "sampled/draft K=2", "sampled/draft auto",
+                            "sampled/prompt-lookup auto", "sampled/lookup+model K=2",
+                            "sampled/lookup+model auto"}
+    assert configs["greedy/plain"]["speedup"] == 1.0
+    for row in configs.values():
+        assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
+        assert row["measured_over_ideal"] > 0
+    assert len(configs["greedy/draft K=3"]["acceptance_per_position"]) == 3
+    best = results["systems"]["specedge best"]["configuration"]
+    assert best.startswith("greedy/") and best in configs
+    for name in ("specedge plain", "specedge best"):  # timed again, taking turns
+        system = results["systems"][name]
+        assert system["tokens"] > 0
+        assert system["tokens_per_second"] == system["tokens"] / system["seconds"]
+    # The tiny model is untrained: its perplexity is near its vocabulary size, not 1.
+    ppl = results["systems"]["specedge plain"]["perplexity"]
+    assert 10 < ppl < 1e4 and results["systems"]["specedge best"]["perplexity"] == ppl
+    assert results["quality_tokens"] > 100
+    for name in ("bench.md", "speedup_vs_k.png", "acceptance_per_position.png",
+                 "systems.png"):
+        assert (out / name).stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "| greedy/draft K=2 |" in printed
+    assert "| configuration | chat |" in printed and "| greedy/plain | 1.00x |" in printed
+    assert f"| 1.00x | {ppl:.2f} |" in printed
+
+
+def test_systems_take_turns_prompt_by_prompt():
+    """Every system generates once to warm up, then once per prompt, the first of them
+    changing each prompt; a skipped system is reported, not run."""
+    from specedge.bench.baselines import time_systems
+
+    calls = []
+
+    def system(name, tokens):
+        def generate(ids):
+            calls.append((name, ids[0]))
+            return tokens
+        return {"generate": generate, "perplexity": 1.5}
+
+    systems = {"a": system("a", 3), "b": system("b", 5), "c": {"skipped": "not installed"}}
+    results = time_systems(systems, [[0], [1], [2]])
+    assert calls == [("a", 0), ("b", 0),                          # warm-up
+                     ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert results["a"]["tokens"] == 9 and results["b"]["tokens"] == 15
+    assert results["a"]["tokens_per_second"] == 9 / results["a"]["seconds"]
+    assert results["a"]["perplexity"] == 1.5 and "generate" not in results["a"]
+    assert results["c"] == {"skipped": "not installed"}
+
+
+def test_perplexity_of_known_distributions():
+    from specedge.runtime.stats import perplexity
+
+    ids = [0, 1, 2, 3]
+    assert perplexity(np.zeros((4, 7)), ids) == pytest.approx(7.0)  # uniform over 7
+    certain = np.full((4, 5), -1e9)
+    certain[np.arange(3), ids[1:]] = 0.0
+    assert perplexity(certain, ids) == pytest.approx(1.0)
+    probs = np.array([[0.5, 0.5, 0, 0], [0, 0.25, 0.75, 0], [0, 0, 0, 1.0], [1, 0, 0, 0]])
+    assert perplexity(np.log(probs + 1e-300), ids) == pytest.approx((0.5 * 0.75 * 1.0) ** (-1 / 3))
+    with pytest.raises(ValueError, match="2 or more"):
+        perplexity(np.zeros((1, 3)), [0])
+
+
+def test_quality_text_is_the_summaries_passages():
+    from specedge.bench.baselines import QUALITY_TOKENS, quality_text_ids
+
+    class Words:
+        def encode(self, text):
+            return list(range(len(text.split())))
+
+    prompts = load_prompts()
+    ids = quality_text_ids(Words(), prompts)
+    assert len(ids) == QUALITY_TOKENS  # the passages hold more words than that
+    with pytest.raises(ValueError, match="summarize"):
+        quality_text_ids(Words(), [p for p in prompts if p["category"] != "summarize"])
+
+
+def test_transformers_systems_run_plain_and_both_assisted_kinds(tiny_bundle, monkeypatch):
+    """The draft as assistant and prompt lookup both go through transformers' assisted
+    decoding, and every system generates the requested tokens."""
+    from transformers.generation.utils import GenerationMixin
+
+    from specedge.bench.baselines import transformers_systems
+
+    assisted = []
+    original = GenerationMixin._assisted_decoding
+
+    def spy(self, *args, **kwargs):
+        assisted.append(kwargs.get("assistant_model") is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", spy)
+    systems = transformers_systems(tiny_bundle, 9, [3 + i % 20 for i in range(40)])
+    assert set(systems) == {"transformers plain", "transformers assisted",
+                            "transformers prompt lookup"}
+    counts = [systems[name]["generate"]([5, 6, 7, 5, 6, 7, 5, 6]) for name in systems]
+    assert counts == [9, 9, 9]
+    assert assisted == [True, False]  # plain decoding does not assist itself
+    assert all(10 < system["perplexity"] < 1e4 for system in systems.values())
+
+
+def test_aggregate_uses_ratios_of_sums():
+    a = {"tokens_generated": 11, "target_calls": 10, "draft_calls": 20, "drafted_tokens": 20,
+         "accepted_tokens": 0, "time_total_s": 2.0, "time_prefill_s": 1.0, "time_draft_s": 0.2,
+         "time_target_s": 0.7, "time_model_decode_s": 0.9, "position_tries": [10, 10],
+         "position_accepts": [0, 0]}
+    b = {**a, "tokens_generated": 31, "accepted_tokens": 20, "position_accepts": [10, 10]}
+    row = aggregate([a, b])
+    assert row["acceptance_rate"] == 0.5
+    assert row["acceptance_per_position"] == [0.5, 0.5]
+    assert row["tokens_per_second"] == (11 + 31 - 2) / 2.0
+    assert row["tokens_per_target_call"] == 40 / 20
+    assert row["outside_model_share"] == pytest.approx(0.1)
+
+
+def test_bench_runs_on_another_backend(tiny_bundle, tmp_path):
+    """--backend: the GPU backends' code path (here host-emulated) runs every configuration."""
+    out = tmp_path / "bench"
+    main(["bench", "--bundle", str(tiny_bundle), "--limit", "1", "--max-new-tokens", "6",
+          "--ks", "2", "--no-baselines", "--backend", "host-emulated", "--out", str(out)])
+    results = json.loads((out / "bench.json").read_text())
+    assert results["backend"] == "host-emulated"
+    assert results["configurations"]["sampled/draft K=2"]["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize(("crashes", "n_batch"), [(True, 1), (False, 512)])
+def test_llama_cpp_batch_probe_survives_a_crash(tmp_path, monkeypatch, crashes, n_batch):
+    # On some CPUs llama.cpp's multi-token batches kill the process: the bench probes them
+    # in a child (here a stand-in llama_cpp module that aborts) and falls back to n_batch 1.
+    from specedge.bench import baselines
+
+    (tmp_path / "llama_cpp.py").write_text(
+        "import os\n\n\nclass Llama:\n    def __init__(self, **kwargs):\n        pass\n\n"
+        "    def tokenize(self, text):\n        return [1, 2, 3]\n\n"
+        f"    def eval(self, ids):\n        {'os.abort()' if crashes else 'pass'}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert baselines._llama_cpp_batch(tmp_path / "model.gguf", 2) == n_batch

@@ -1,0 +1,829 @@
+"""`specedge build` and the engine manifest, without TensorRT or a GPU (CPU only, fast).
+
+Everything around the TensorRT calls is tested here: profiles, argument checks, the manifest's
+`engines` entry, compatibility checks, profile choice, the build's orchestration (with the
+TensorRT step replaced by a fake that writes bytes) and the CLI when TensorRT is missing.
+export/tensorrt/calls.py's TensorRT calls themselves run only on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import onnx
+import pytest
+from test_cli import assert_one_line_error, call_main
+
+from specedge.export.tensorrt import build as trt_build
+from specedge.export.tensorrt import calls as trt_calls
+from specedge.export.tensorrt.build import build_engines
+from specedge.export.tensorrt.calls import pins_fp32
+from specedge.export.tensorrt.plan import (
+    EnginePlan,
+    builder_flags,
+    check_graph_ops,
+    check_io_names,
+    check_precision_supported,
+    is_up_to_date,
+    plan_builds,
+)
+from specedge.runtime.backends import gpu_info
+from specedge.runtime.backends.engine_manifest import (
+    EngineSpec,
+    ProfileSpec,
+    capacity_range,
+    check_engine_compatible,
+    engine_entry,
+    engine_record,
+    profile_for,
+    profile_shapes,
+)
+from specedge.runtime.bundle import MANIFEST, ModelSpec, graph_io, load_bundle
+from specedge.runtime.errors import BackendUnavailableError, BundleError
+from specedge.runtime.kv_cache import CAPACITY_STEP
+
+GPU = ("NVIDIA Jetson AGX Orin", (8, 7))
+TRT_VERSION = "10.3.0"
+
+
+def spec(max_context: int = 8192, layers: int = 3) -> ModelSpec:
+    return ModelSpec(path=Path("target.onnx"), num_layers=layers, num_kv_heads=3, head_dim=64,
+                     vocab_size=49152, max_context=max_context, dtype="float32", file_size=1)
+
+
+@pytest.fixture
+def bundle(tiny_bundle, tmp_path) -> Path:
+    """A private copy of the tiny bundle (the session fixture must stay untouched)."""
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, out)
+    return out
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+# ---- profiles -------------------------------------------------------------------------------
+
+def test_capacity_range_follows_the_runtime_rounding():
+    assert capacity_range(8192) == (CAPACITY_STEP, 1024, 8192)
+    assert capacity_range(512) == (CAPACITY_STEP, 512, 512)
+    assert capacity_range(100) == (100, 100, 100)  # a context shorter than one step
+    for context in (300, 2048, 4096, 32768):
+        low, opt, high = capacity_range(context)
+        # Each is a capacity the runtime asks for: a multiple of the step, or the context.
+        assert low % CAPACITY_STEP == 0 and high == context
+        assert opt % CAPACITY_STEP == 0 or opt == context
+        assert low <= opt <= high
+
+
+def test_profile_shapes_cover_every_input():
+    s = spec()
+    k = 8
+    prefill, decode = profile_shapes(s, 2048, k + 1, capacity_range(s.max_context))
+    inputs, _ = graph_io(s.num_layers)
+    assert (prefill["name"], prefill["index"], decode["name"], decode["index"]) == \
+        ("prefill", 0, "decode", 1)
+    for p in (prefill, decode):
+        assert list(p["shapes"]) == inputs
+        for name, (low, opt, high) in p["shapes"].items():
+            assert len(low) == len(opt) == len(high)
+            assert all(a <= b <= c for a, b, c in zip(low, opt, high)), name
+        assert p["shapes"]["past_length"] == p["shapes"]["logits_to_keep"] == ((1,),) * 3
+        for name in inputs[4:]:
+            assert [shape[2] for shape in p["shapes"][name]] == [256, 1024, 8192]
+            assert all(shape[:2] == (1, 3) and shape[3] == 64 for shape in p["shapes"][name])
+        assert p["values"]["past_length"][0] == 0
+        assert p["values"]["past_length"][2] == 8192 - 1
+    assert prefill["tokens"] == (1, 256, 2048)
+    assert prefill["shapes"]["input_ids"] == ((1, 1), (1, 256), (1, 2048))
+    assert prefill["values"]["logits_to_keep"] == prefill["logits_to_keep"] == (1, 1, 1)
+    assert decode["tokens"] == (1, k + 1, k + 1)
+    assert decode["shapes"]["position_ids"] == ((1, 1), (1, k + 1), (1, k + 1))
+    assert decode["values"]["logits_to_keep"] == (1, k + 1, k + 1)
+
+
+def test_profile_shapes_decode_opt_and_short_prompt():
+    _, decode = profile_shapes(spec(), 16, 5, (256, 256, 512), decode_opt=1)
+    assert decode["tokens"] == (1, 1, 5) and decode["values"]["logits_to_keep"] == (1, 1, 5)
+    prefill, _ = profile_shapes(spec(), 16, 5, (256, 256, 512))
+    assert prefill["tokens"] == (1, 16, 16)
+
+
+BAD_PROFILE_ARGS = [
+    (dict(max_prompt=0), "--max-prompt"),
+    (dict(max_prompt=2.5), "--max-prompt"),
+    (dict(max_verify=1), "--max-draft-tokens"),
+    (dict(capacity=(512, 256, 1024)), "min <= opt <= max"),
+    (dict(capacity=(256, 512)), "three integers"),
+    (dict(capacity=(256, 1024, 16384)), "--max-context 8192 or less"),
+    (dict(max_prompt=4096, capacity=(256, 1024, 2048)), "smaller --max-prompt"),
+    (dict(max_prompt=16, max_verify=600, capacity=(256, 512, 512)),
+     "smaller --max-draft-tokens"),
+    (dict(decode_opt=10), "decode_opt"),
+]
+
+
+@pytest.mark.parametrize("change, words", BAD_PROFILE_ARGS,
+                         ids=[w for _, w in BAD_PROFILE_ARGS])
+def test_profile_shapes_rejects_bad_arguments(change, words):
+    args = dict(max_prompt=2048, max_verify=9, capacity=(256, 1024, 8192)) | change
+    with pytest.raises(ValueError, match=re.escape(words)):
+        profile_shapes(spec(), args["max_prompt"], args["max_verify"], args["capacity"],
+                       decode_opt=change.get("decode_opt"))
+
+
+def test_profile_shapes_needs_a_model_spec():
+    with pytest.raises(ValueError, match="ModelSpec"):
+        profile_shapes({"num_layers": 2}, 2048, 9, (256, 1024, 8192))
+
+
+# ---- planning -------------------------------------------------------------------------------
+
+def test_plan_builds_for_the_tiny_bundle(tiny_bundle):
+    b = load_bundle(tiny_bundle)
+    target, draft = plan_builds(b)
+    assert (target.role, target.engine, draft.role, draft.engine) == \
+        ("target", tiny_bundle / "target.engine", "draft", tiny_bundle / "draft.engine")
+    assert target.capacity == (256, 512, 512)  # the tiny models' context is 512
+    assert target.profiles[0]["tokens"] == (1, 256, 512)  # max prompt capped at the context
+    assert target.profiles[1]["tokens"] == (1, 9, 9)  # K_max = 8
+    assert draft.profiles[1]["tokens"] == (1, 1, 9)  # the draft mostly runs one token
+    assert target.num_layers == 2 and draft.num_layers == 1
+    assert set(draft.profiles[0]["shapes"]) == set(graph_io(1)[0])
+    short = plan_builds(b, "bf16", max_prompt=64, max_draft_tokens=3, max_context=256)[0]
+    assert short.precision == "bf16" and short.capacity == (256, 256, 256)
+    assert short.profiles[0]["tokens"] == (1, 64, 64)
+    assert short.profiles[1]["tokens"] == (1, 4, 4)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(precision="int4"), "--precision must be one of fp16, bf16, fp32, fp8, int8"),
+    (dict(max_prompt=1000), "--max-prompt 1000 exceeds the context of 512"),
+    (dict(max_prompt=0), "--max-prompt must be an integer >= 1"),
+    (dict(max_context=1024), "--max-context 1024 exceeds the bundle's context of 512"),
+    (dict(max_context=0), "--max-context must be an integer >= 1"),
+    (dict(max_draft_tokens=0), "--max-draft-tokens must be an integer >= 1"),
+    (dict(precision="int8"), "needs an explicitly quantized graph"),
+    (dict(precision="fp8"), "QuantizeLinear/DequantizeLinear"),
+])
+def test_plan_builds_rejects_bad_arguments(tiny_bundle, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        plan_builds(load_bundle(tiny_bundle), **kwargs)
+
+
+def test_graph_checks(tmp_path):
+    nbits = tmp_path / "nbits.onnx"
+    nbits.write_bytes(b"\x00garbage\x12\x0bMatMulNBits\x00")
+    with pytest.raises(ValueError, match="MatMulNBits.*--precision fp32"):
+        check_graph_ops(nbits, "fp16")
+    qdq = tmp_path / "qdq.onnx"
+    qdq.write_bytes(b"\x00\x12\x10DequantizeLinear\x00")
+    check_graph_ops(qdq, "int8")
+    check_graph_ops(qdq, "fp8")
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    check_graph_ops(empty, "fp16")
+
+
+def test_builder_flags():
+    assert builder_flags("fp16") == (("FP16", "PREFER_PRECISION_CONSTRAINTS"), ())
+    assert builder_flags("bf16") == (("BF16", "PREFER_PRECISION_CONSTRAINTS"), ())
+    assert builder_flags("fp32") == ((), ("TF32",))  # true fp32, like the ONNX graph
+    assert builder_flags("int8") == (("INT8", "FP16"), ())
+    assert builder_flags("fp8") == (("FP8", "FP16"), ())
+    with pytest.raises(ValueError, match="--precision"):
+        builder_flags("fp64")
+
+
+def test_precision_needs_a_capable_gpu():
+    check_precision_supported("fp8", ("NVIDIA H100", (9, 0)))
+    check_precision_supported("fp16", GPU)
+    with pytest.raises(ValueError, match=r"fp8 needs compute capability 8.9.*8.7: use "
+                       "--precision fp16"):
+        check_precision_supported("fp8", GPU)
+    with pytest.raises(ValueError, match=r"bf16 needs compute capability 8.0.*Xavier has 7.2"):
+        check_precision_supported("bf16", ("Xavier", (7, 2)))
+    with pytest.raises(ValueError, match="use --precision fp32"):
+        check_precision_supported("fp16", ("old", (5, 2)))
+
+
+def test_io_names_must_be_the_contract():
+    inputs, outputs = graph_io(2)
+    check_io_names(inputs[::-1], outputs, 2)
+    with pytest.raises(RuntimeError, match=r"missing \['logits_to_keep'\].*re-export"):
+        check_io_names(inputs[:3] + inputs[4:], outputs, 2)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        check_io_names(inputs + ["attention_mask"], outputs, 2)
+
+
+PINNED = ["/input_layernorm/Pow", "/model/layers.0/post_attention_layernorm/ReduceMean",
+          "/norm/Div", "/norm/Mul_1", "/ln_1/LayerNormalization", "/transformer/ln_f/Add",
+          "/input_layernorm_1/Sqrt"]
+NOT_PINNED = ["/MatMul", "/self_attn/q_proj/MatMul", "/mlp/act/Pow", "/Softmax_cast",
+              "/lm_head/Gemm", "/embed_tokens/Gather"]
+
+
+def test_pins_fp32_names_and_kinds():
+    for name in PINNED:
+        assert pins_fp32(name, "ELEMENTWISE"), name
+    for name in NOT_PINNED:
+        assert not pins_fp32(name, "MATRIX_MULTIPLY"), name
+    assert pins_fp32("/Softmax", "SOFTMAX") and pins_fp32("anything", "NORMALIZATION")
+    assert not pins_fp32("/norm/Constant_1", "CONSTANT")
+    assert not pins_fp32("/norm/Shape", "SHAPE")
+
+
+def test_pins_fp32_on_the_exported_graph(tiny_bundle):
+    """The TensorRT parser names layers after the ONNX nodes: check the real names."""
+    nodes = onnx.load(str(tiny_bundle / "target.onnx"), load_external_data=False).graph.node
+    kind = {"Softmax": "SOFTMAX", "Constant": "CONSTANT", "Shape": "SHAPE"}
+    pinned = {n.name for n in nodes if pins_fp32(n.name, kind.get(n.op_type, "OTHER"))}
+    norm_ops = {n.name for n in nodes if "norm" in n.name and n.op_type != "Constant"}
+    assert norm_ops and norm_ops <= pinned
+    assert {n.op_type for n in nodes if n.name in pinned} <= \
+        {"Cast", "Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul", "Softmax"}
+    assert not any(n.op_type in ("MatMul", "Gemm") for n in nodes if n.name in pinned)
+
+
+# ---- the manifest's engines entry -----------------------------------------------------------
+
+def fake_engines(root: Path, gpu=GPU, version=TRT_VERSION) -> dict:
+    """Write engine files and their manifest entry as `specedge build` would."""
+    b = load_bundle(root)
+    engines = {}
+    for plan in plan_builds(b):
+        plan.engine.write_bytes(b"engine " + plan.role.encode() * 50)
+        engines[plan.role] = engine_record(plan.engine.name, plan.engine.stat().st_size,
+                                           plan.precision, plan.profiles, plan.capacity, gpu,
+                                           version, plan.onnx.name, plan.onnx_file_size,
+                                           ["logits_to_keep"])
+    trt_build.write_engines_entry(root, engines)
+    return engines
+
+
+def test_engine_entry_round_trip(bundle):
+    before = json.loads((bundle / MANIFEST).read_text())
+    fake_engines(bundle)
+    after = json.loads((bundle / MANIFEST).read_text())
+    assert {k: v for k, v in after.items() if k != "engines"} == before
+    b = load_bundle(bundle)
+    target = engine_entry(b, "target")
+    assert target.path == bundle / "target.engine"
+    assert target.precision == "fp16" and target.gpu == GPU
+    assert target.tensorrt_version == TRT_VERSION
+    assert target.capacity == (256, 512, 512)
+    assert target.profiles == (ProfileSpec("prefill", 0, (1, 256, 512), (1, 1, 1)),
+                               ProfileSpec("decode", 1, (1, 9, 9), (1, 9, 9)))
+    assert target.shape_inputs == ("logits_to_keep",)
+    decode = target.profiles[1]
+    assert (decode.name, decode.index, decode.tokens) == ("decode", 1, (1, 9, 9))
+    assert target.file_size == (bundle / "target.engine").stat().st_size
+    draft = engine_entry(b, "draft")
+    assert draft.path == bundle / "draft.engine" and draft.profiles[1].tokens == (1, 1, 9)
+    with pytest.raises(ValueError, match="role"):
+        engine_entry(b, "drafter")
+
+
+def test_engine_entry_without_engines(tiny_bundle):
+    with pytest.raises(BundleError, match=r"this bundle has no TensorRT engines: run "
+                       r"`specedge build --bundle .*` on the device"):
+        engine_entry(load_bundle(tiny_bundle), "target")
+
+
+def _set(key, value):
+    def change(entry):
+        entry[key] = value
+    return change
+
+
+BAD_ENTRIES = {
+    "no-file": (_set("file", None), "engines.target.file must be a file name"),
+    "size-not-int": (_set("file_size", "12"), "engines.target.file_size must be a positive"),
+    "size-bool": (_set("file_size", True), "file_size must be a positive integer"),
+    "precision": (_set("precision", "fp4"), "precision must be one of"),
+    "profiles-missing": (_set("profiles", None), "profiles must be a list of 2 profiles"),
+    "profile-order": (lambda e: e["profiles"].reverse(),
+                      "engines.target.profiles[0] must be named 'prefill' with index 0"),
+    "profile-tokens": (lambda e: e["profiles"][1].update(tokens=[1, 9]), "tokens must be three"),
+    "profile-keep": (lambda e: e["profiles"][0].update(logits_to_keep=[2, 1, 1]),
+                     "logits_to_keep must be three integers"),
+    "capacity": (_set("capacity", [512, 256, 512]), "capacity must be three integers"),
+    "gpu": (_set("gpu", {"name": "x"}), "gpu must be {name, compute_capability"),
+    "gpu-cc": (_set("gpu", {"name": "x", "compute_capability": [8]}), "compute_capability"),
+    "trt-version": (_set("tensorrt_version", 10), "tensorrt_version must be a version string"),
+    "built-at": (_set("built_at", None), "built_at must be a time stamp"),
+    "shape-inputs": (_set("shape_inputs", "logits_to_keep"), "shape_inputs must be a list"),
+    "not-an-object": (None, "engines.target is not an object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENTRIES))
+def test_engine_entry_rejects_bad_fields(bundle, case):
+    change, words = BAD_ENTRIES[case]
+    fake_engines(bundle)
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    if change is None:
+        manifest["engines"]["target"] = ["target.engine"]
+    else:
+        change(manifest["engines"]["target"])
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError) as e:
+        engine_entry(load_bundle(bundle), "target")
+    message = str(e.value)
+    assert words in message, message
+    assert "specedge build --bundle" in message and "--force" in message
+
+
+def test_engine_entry_checks_the_file(bundle):
+    fake_engines(bundle)
+    (bundle / "draft.engine").unlink()
+    with pytest.raises(BundleError, match="bundle file missing: .*draft.engine.*specedge build"):
+        engine_entry(load_bundle(bundle), "draft")
+    (bundle / "target.engine").write_bytes(b"short")
+    with pytest.raises(BundleError, match="target.engine is 5 bytes, the manifest says"):
+        engine_entry(load_bundle(bundle), "target")
+
+
+def test_engine_entry_for_a_bundle_without_draft(bundle):
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    del manifest["models"]["draft"]
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="no draft model"):
+        engine_entry(load_bundle(bundle), "draft")
+
+
+# ---- compatibility and profile choice -------------------------------------------------------
+
+def engine_spec(max_prompt: int = 2048, k: int = 8) -> EngineSpec:
+    return EngineSpec(path=Path("/bundles/smollm2/target.engine"),
+                      profiles=(ProfileSpec("prefill", 0, (1, 256, max_prompt), (1, 1, 1)),
+                                ProfileSpec("decode", 1, (1, k + 1, k + 1), (1, k + 1, k + 1))),
+                      capacity=(256, 1024, 8192), precision="fp16", gpu=GPU,
+                      tensorrt_version=TRT_VERSION)
+
+
+def test_compatible_engine_passes():
+    check_engine_compatible(engine_spec(), GPU[0], GPU[1], TRT_VERSION)
+    check_engine_compatible(engine_spec(), GPU[0], [8, 7], TRT_VERSION)
+
+
+@pytest.mark.parametrize("here, differs", [
+    (("NVIDIA H100 80GB HBM3", (9, 0), TRT_VERSION), "GPU, compute capability"),
+    (("NVIDIA Jetson Orin Nano", (8, 7), TRT_VERSION), "different GPU)"),
+    ((GPU[0], (8, 6), TRT_VERSION), "different compute capability)"),
+    ((GPU[0], GPU[1], "10.8.0"), "different TensorRT version)"),
+])
+def test_incompatible_engine_says_rebuild(here, differs):
+    with pytest.raises(BundleError) as e:
+        check_engine_compatible(engine_spec(), *here)
+    message = str(e.value)
+    assert ("target.engine was built for NVIDIA Jetson AGX Orin (compute capability 8.7) "
+            "with TensorRT 10.3.0; this machine is") in message
+    assert f"{here[0]} (compute capability {here[1][0]}.{here[1][1]}) with TensorRT " \
+        f"{here[2]}" in message
+    assert differs in message
+    assert message.endswith("rebuild with `specedge build --bundle /bundles/smollm2`")
+
+
+def test_profile_for():
+    s = engine_spec(max_prompt=2048, k=8)
+    assert profile_for(s, 1, 256) == 1  # a draft step or plain decoding
+    assert profile_for(s, 9, 1024) == 1  # verification of K = 8
+    assert profile_for(s, 10, 1024) == 0  # a prompt
+    assert profile_for(s, 2048, 8192) == 0
+    with pytest.raises(ValueError, match=r"2049 tokens is longer than the engine's max prompt "
+                       r"\(2048\): rebuild with `specedge build --bundle /bundles/smollm2 "
+                       r"--max-prompt 2049`"):
+        profile_for(s, 2049, 8192)
+    with pytest.raises(ValueError, match=r"16384 rows is outside the engine's range "
+                       r"256..8192: rebuild .*--max-context"):
+        profile_for(s, 4, 16384)
+    with pytest.raises(ValueError, match="tokens must be an integer >= 1"):
+        profile_for(s, 0, 256)
+
+
+# ---- build orchestration (TensorRT replaced by a fake) --------------------------------------
+
+@pytest.fixture
+def fake_trt(monkeypatch) -> list[EnginePlan]:
+    """tensorrt and the GPU are there; building an engine writes bytes. Returns the plans built."""
+    built: list[EnginePlan] = []
+
+    def build_engine(trt, plan, out, cache):
+        built.append(plan)
+        out.write_bytes(f"{plan.role} {plan.precision} engine".encode())
+        cache.write_bytes(b"timing")
+        return ["logits_to_keep"]
+
+    monkeypatch.setattr(trt_build, "import_tensorrt",
+                        lambda: types.SimpleNamespace(__version__=TRT_VERSION))
+    monkeypatch.setattr(trt_build, "gpu_identity", lambda: GPU)
+    monkeypatch.setattr(trt_calls, "build_engine", build_engine)
+    return built
+
+
+def test_build_writes_engines_and_manifest(bundle, fake_trt, capsys):
+    before = json.loads((bundle / MANIFEST).read_text())
+    manifest = build_engines(bundle)
+    assert [p.role for p in fake_trt] == ["target", "draft"]
+    assert (bundle / "target.engine").read_bytes() == b"target fp16 engine"
+    assert (bundle / "timing.cache").read_bytes() == b"timing"
+    on_disk = json.loads((bundle / MANIFEST).read_text())
+    assert on_disk == manifest
+    assert {k: v for k, v in on_disk.items() if k != "engines"} == before
+    b = load_bundle(bundle)
+    for role in ("target", "draft"):
+        e = engine_entry(b, role)
+        assert e.gpu == GPU and e.tensorrt_version == TRT_VERSION and e.precision == "fp16"
+        check_engine_compatible(e, GPU[0], GPU[1], TRT_VERSION)
+    assert not [p for p in bundle.iterdir() if p.name.startswith(".")]  # no temporary files
+
+    files = snapshot(bundle)
+    capsys.readouterr()
+    build_engines(bundle)  # up to date: nothing rebuilt, nothing rewritten
+    assert len(fake_trt) == 2 and snapshot(bundle) == files
+    assert "up to date" in capsys.readouterr().err
+    build_engines(bundle, force=True)
+    assert len(fake_trt) == 4
+    build_engines(bundle, precision="bf16")
+    assert len(fake_trt) == 6 and engine_entry(load_bundle(bundle), "draft").precision == "bf16"
+
+
+def test_build_rebuilds_for_another_gpu_or_tensorrt(bundle, fake_trt, monkeypatch):
+    build_engines(bundle)
+    monkeypatch.setattr(trt_build, "import_tensorrt",
+                        lambda: types.SimpleNamespace(__version__="10.9.0"))
+    build_engines(bundle)
+    assert len(fake_trt) == 4
+    assert engine_entry(load_bundle(bundle), "target").tensorrt_version == "10.9.0"
+
+
+def test_is_up_to_date(bundle, fake_trt):
+    build_engines(bundle)
+    b = load_bundle(bundle)
+    entry = b.manifest["engines"]["target"]
+    plan = plan_builds(b)[0]
+    assert is_up_to_date(entry, plan, GPU, TRT_VERSION)
+    assert not is_up_to_date(entry, plan, ("other", GPU[1]), TRT_VERSION)
+    assert not is_up_to_date(entry, plan, GPU, "10.4.0")
+    assert not is_up_to_date(entry, replace(plan, precision="bf16"), GPU, TRT_VERSION)
+    assert not is_up_to_date(entry, replace(plan, onnx_file_size=1), GPU, TRT_VERSION)
+    assert not is_up_to_date(entry, plan_builds(b, max_prompt=128)[0], GPU, TRT_VERSION)
+    assert not is_up_to_date(None, plan, GPU, TRT_VERSION)
+    (bundle / "target.engine").write_bytes(b"x")
+    assert not is_up_to_date(entry, plan, GPU, TRT_VERSION)
+
+
+def test_failed_build_leaves_the_bundle_untouched(bundle, fake_trt, monkeypatch):
+    files = snapshot(bundle)
+
+    def fail_on_draft(trt, plan, out, cache):
+        if plan.role == "draft":
+            raise RuntimeError("TensorRT could not build the draft engine: out of memory")
+        out.write_bytes(b"target engine")
+        return []
+
+    monkeypatch.setattr(trt_calls, "build_engine", fail_on_draft)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        build_engines(bundle)
+    assert snapshot(bundle) == files
+
+
+def test_build_checks_the_gpu_before_building(bundle, fake_trt, monkeypatch):
+    monkeypatch.setattr(trt_build, "gpu_identity", lambda: ("Jetson Xavier NX", (7, 2)))
+    files = snapshot(bundle)
+    with pytest.raises(ValueError, match="bf16 needs compute capability 8.0"):
+        build_engines(bundle, precision="bf16")
+    assert fake_trt == [] and snapshot(bundle) == files
+
+
+def test_build_timing_cache_path(bundle, fake_trt, tmp_path):
+    cache = tmp_path / "shared.cache"
+    build_engines(bundle, timing_cache=cache)
+    assert cache.read_bytes() == b"timing" and not (bundle / "timing.cache").exists()
+    with pytest.raises(ValueError, match="--timing-cache"):
+        build_engines(bundle, timing_cache=tmp_path / "no-such-folder" / "t.cache", force=True)
+
+
+# ---- gpu_identity (cuda-python replaced by a fake) ------------------------------------------
+
+class FakeError:
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, FakeError) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+def fake_cudart(monkeypatch, count_error="cudaSuccess", count=1):
+    prop = types.SimpleNamespace(name=b"NVIDIA Jetson AGX Orin\0\0\0junk", major=8, minor=7)
+    runtime = types.ModuleType("cuda.bindings.runtime")
+    runtime.cudaError_t = types.SimpleNamespace(cudaSuccess=FakeError("cudaSuccess"))
+    runtime.cudaGetDeviceCount = lambda: (FakeError(count_error), count)
+    runtime.cudaGetDeviceProperties = lambda device: (FakeError("cudaSuccess"), prop)
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = runtime
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    for name, module in (("cuda", cuda), ("cuda.bindings", bindings),
+                         ("cuda.bindings.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_gpu_identity(monkeypatch):
+    fake_cudart(monkeypatch)
+    assert gpu_info.gpu_identity() == GPU
+    with pytest.raises(ValueError, match="GPU 1 does not exist"):
+        gpu_info.gpu_identity(1)
+
+
+@pytest.mark.parametrize("count_error, count, words", [
+    ("cudaErrorInsufficientDriver", None, "cudaGetDeviceCount failed with "
+     "cudaErrorInsufficientDriver: check that the NVIDIA driver"),
+    ("cudaSuccess", 0, "no CUDA GPU found"),
+])
+def test_gpu_identity_without_a_gpu(monkeypatch, count_error, count, words):
+    fake_cudart(monkeypatch, count_error, count)
+    with pytest.raises(BackendUnavailableError, match=words):
+        gpu_info.gpu_identity()
+
+
+def test_gpu_identity_without_cuda_python(monkeypatch):
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.runtime", "cuda.cudart"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(BackendUnavailableError, match="pip install cuda-python"):
+        gpu_info.gpu_identity()
+
+
+# ---- CLI without TensorRT -------------------------------------------------------------------
+
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+
+
+def test_cli_build_without_tensorrt(capsys, bundle, no_tensorrt):
+    files = snapshot(bundle)
+    code, out, err = call_main(capsys, "build", "--bundle", bundle)
+    assert_one_line_error(code, err, "TensorRT is not installed: pip install tensorrt",
+                          "JetPack", "ort-cpu")
+    assert out == ""
+    assert snapshot(bundle) == files
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--precision", "int8"], ["needs an explicitly quantized graph"]),
+    (["--precision", "fp4"], ["--precision", "invalid choice: 'fp4'"]),
+    (["--max-prompt", "100000"], ["--max-prompt 100000 exceeds the context of 512"]),
+    (["--max-draft-tokens", "0"], ["--max-draft-tokens must be an integer >= 1"]),
+    (["--max-context", "4096"], ["--max-context 4096 exceeds"]),
+])
+def test_cli_build_bad_arguments(capsys, bundle, no_tensorrt, args, words):
+    files = snapshot(bundle)
+    code, out, err = call_main(capsys, "build", "--bundle", bundle, *args)
+    assert_one_line_error(code, err, *words)
+    assert out == "" and snapshot(bundle) == files
+
+
+def test_cli_build_bad_bundle(capsys, tmp_path, no_tensorrt):
+    code, _, err = call_main(capsys, "build", "--bundle", tmp_path / "nothing")
+    assert_one_line_error(code, err, "no manifest.json")
+    code, _, err = call_main(capsys, "build")
+    assert_one_line_error(code, err, "--bundle")
+
+
+def test_cli_build_success_prints_one_json_line(capsys, bundle, fake_trt):
+    code, out, err = call_main(capsys, "build", "--bundle", bundle, "--precision", "fp32")
+    assert code == 0, err
+    assert json.loads(out) == {"bundle": str(bundle), "precision": "fp32",
+                               "engines": {"target": "target.engine", "draft": "draft.engine"},
+                               "tensorrt_version": TRT_VERSION}
+
+
+def test_cli_export_tensorrt_fails_before_exporting(capsys, tiny_checkpoints, tmp_path,
+                                                    no_tensorrt, monkeypatch):
+    from specedge.export import bundle_writer
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported although TensorRT is missing")
+
+    monkeypatch.setattr(bundle_writer, "export_bundle", no_export)
+    out = tmp_path / "bundle"
+    code, stdout, err = call_main(capsys, "export", tiny_checkpoints["llama"], "--out", out,
+                                  "--backend", "tensorrt")
+    assert_one_line_error(code, err, "TensorRT is not installed: pip install tensorrt")
+    assert stdout == "" and not out.exists()
+    code, stdout, err = call_main(capsys, "export", tiny_checkpoints["llama"], "--out", out,
+                                  "--backend", "tensorrt", "--precision", "int8")
+    assert_one_line_error(code, err, "--backend tensorrt needs --precision fp32 or fp16",
+                          "MatMulNBits")
+    assert not out.exists()
+
+
+# ---- tensorrt/calls.py's control flow, against a stand-in for tensorrt -------------------
+# This checks our own logic (profiles fed in order, shape inputs, pins, flags, files) against
+# our reading of the TensorRT 10 Python API. It does not show that TensorRT behaves so: only
+# a run on a CUDA machine does.
+
+class _Tensor:
+    def __init__(self, name, dtype="float32", shape_tensor=False):
+        self.name, self.dtype, self.is_shape_tensor = name, dtype, shape_tensor
+
+
+class _Layer:
+    def __init__(self, name, kind, dtype="float32"):
+        self.name, self.type, self.precision = name, kind, None
+        self.outputs, self.output_types = [_Tensor(name + "_out", dtype)], {}
+        self.num_outputs = 1
+
+    def get_output(self, j):
+        return self.outputs[j]
+
+    def set_output_type(self, j, dtype):
+        self.output_types[j] = dtype
+
+
+def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logits_to_keep",)):
+    calls: dict = {"flags": [], "cleared": [], "profiles": [], "cache_in": None}
+    inputs, outputs = graph_io(num_layers)
+    layers = [_Layer("/input_layernorm/Pow", "ELEMENTWISE"),
+              _Layer("/input_layernorm/Constant", "CONSTANT"),
+              _Layer("/norm/Shape", "SHAPE", dtype="int64"),
+              _Layer("/norm/Cast_to_int", "CAST", dtype="int64"),
+              _Layer("/Softmax", "SOFTMAX"), _Layer("/self_attn/MatMul", "MATRIX_MULTIPLY")]
+
+    class ILogger:
+        Severity = types.SimpleNamespace(INTERNAL_ERROR="E!", ERROR="E", WARNING="W")
+
+        def __init__(self):
+            pass
+
+    class IProgressMonitor:
+        def __init__(self):
+            pass
+
+    class Network:
+        num_inputs, num_outputs, num_layers = len(inputs), len(outputs), len(layers)
+
+        def get_input(self, i):
+            return _Tensor(inputs[i], "int64", inputs[i] in shape_inputs)
+
+        def get_output(self, i):
+            return _Tensor(outputs[i])
+
+        def get_layer(self, i):
+            return layers[i]
+
+    class OnnxParser:
+        num_errors = 1
+
+        def __init__(self, network, logger):
+            pass
+
+        def parse_from_file(self, path):
+            calls["parsed"] = path
+            return fail != "parse"
+
+        def get_error(self, i):
+            return "In node 7 (Foo): UNSUPPORTED_NODE"
+
+    class Profile:
+        def __init__(self):
+            self.shapes, self.values = {}, {}
+
+        def set_shape(self, name, low, opt, high):
+            self.shapes[name] = (low, opt, high)
+
+        def set_shape_input(self, name, low, opt, high):
+            self.values[name] = (low, opt, high)
+
+    class Cache:
+        def __init__(self, data):
+            self.data = data
+
+        def serialize(self):
+            return memoryview(b"cache v2")
+
+    class Config:
+        progress_monitor = None
+
+        def set_flag(self, flag):
+            calls["flags"].append(flag)
+
+        def clear_flag(self, flag):
+            calls["cleared"].append(flag)
+
+        def add_optimization_profile(self, profile):
+            calls["profiles"].append(profile)
+            return len(calls["profiles"]) - 1
+
+        def create_timing_cache(self, data):
+            calls["cache_in"] = calls["cache_in"] if data == b"" else data
+            self.cache = Cache(data)
+            return self.cache
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            return True
+
+        def get_timing_cache(self):
+            return self.cache
+
+    class Builder:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def create_network(self, flags):
+            return Network()
+
+        def create_builder_config(self):
+            self.config = Config()
+            return self.config
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            m = config.progress_monitor
+            m.phase_start("Building engine", None, 2)
+            m.phase_start("Tactic search", "Building engine", 3)
+            for step in range(3):
+                assert m.step_complete("Tactic search", step)
+            m.phase_finish("Tactic search")
+            m.phase_finish("Building engine")
+            self.logger.log(ILogger.Severity.WARNING, "a warning")
+            if fail == "build":
+                self.logger.log(ILogger.Severity.ERROR, "out of device memory")
+                return None
+            return memoryview(b"serialized engine")
+
+    trt = types.SimpleNamespace(
+        __version__=TRT_VERSION, ILogger=ILogger, IProgressMonitor=IProgressMonitor,
+        Builder=Builder, OnnxParser=OnnxParser, float32="float32", float16="float16",
+        bfloat16="bfloat16",
+        LayerType=types.SimpleNamespace(**{k: k for k in (
+            "SOFTMAX", "NORMALIZATION", "CONSTANT", "SHAPE", "ASSERTION")}),
+        BuilderFlag=types.SimpleNamespace(**{k: k for k in (
+            "FP16", "BF16", "FP8", "INT8", "TF32", "PREFER_PRECISION_CONSTRAINTS")}))
+    return trt, calls, layers
+
+
+def test_trt_calls_control_flow(tiny_bundle, tmp_path):
+    plan = plan_builds(load_bundle(tiny_bundle))[0]
+    trt, calls, layers = fake_tensorrt(plan.num_layers)
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"cache v1")
+    out = tmp_path / "target.engine.tmp"
+    assert trt_calls.build_engine(trt, plan, out, cache) == ["logits_to_keep"]
+    assert out.read_bytes() == b"serialized engine"
+    assert calls["parsed"] == str(plan.onnx)
+    assert calls["cache_in"] == b"cache v1" and cache.read_bytes() == b"cache v2"
+    assert calls["flags"] == ["FP16", "PREFER_PRECISION_CONSTRAINTS"] and not calls["cleared"]
+    prefill, decode = calls["profiles"]
+    assert prefill.values == {"logits_to_keep": ((1,), (1,), (1,))}
+    assert decode.values == {"logits_to_keep": ((1,), (9,), (9,))}
+    assert "logits_to_keep" not in prefill.shapes
+    assert prefill.shapes["input_ids"] == ((1, 1), (1, 256), (1, 512))
+    assert decode.shapes["past_key_values.1.value"] == ((1, 2, 256, 8), (1, 2, 512, 8),
+                                                         (1, 2, 512, 8))
+    pinned = {layer.name for layer in layers if layer.precision == "float32"}
+    assert pinned == {"/input_layernorm/Pow", "/Softmax"}
+    assert all(layer.output_types == {0: "float32"} for layer in layers
+               if layer.name in pinned)
+
+
+def test_trt_calls_fp32_clears_tf32_and_pins_nothing(tiny_bundle, tmp_path):
+    plan = plan_builds(load_bundle(tiny_bundle), "fp32")[1]
+    trt, calls, layers = fake_tensorrt(plan.num_layers)
+    trt_calls.build_engine(trt, plan, tmp_path / "e", tmp_path / "timing.cache")
+    assert calls["flags"] == [] and calls["cleared"] == ["TF32"]
+    assert all(layer.precision is None for layer in layers)
+    assert calls["cache_in"] is None  # no cache file yet: an empty one
+
+
+@pytest.mark.parametrize("fail, words", [
+    ("parse", "TensorRT cannot parse .*target.onnx: In node 7 \\(Foo\\): UNSUPPORTED_NODE"),
+    ("build", "could not build the target engine: out of device memory"),
+])
+def test_trt_calls_failures(tiny_bundle, tmp_path, fail, words):
+    plan = plan_builds(load_bundle(tiny_bundle))[0]
+    trt, _, _ = fake_tensorrt(plan.num_layers, fail=fail)
+    with pytest.raises(RuntimeError, match=words):
+        trt_calls.build_engine(trt, plan, tmp_path / "e", tmp_path / "timing.cache")
+    assert not (tmp_path / "e").exists()
+
+
+def test_trt_calls_unexpected_shape_input(tiny_bundle, tmp_path):
+    plan = plan_builds(load_bundle(tiny_bundle))[0]
+    trt, _, _ = fake_tensorrt(plan.num_layers, shape_inputs=("position_ids",))
+    with pytest.raises(RuntimeError, match="'position_ids' as a shape tensor"):
+        trt_calls.build_engine(trt, plan, tmp_path / "e", tmp_path / "timing.cache")
