@@ -14,7 +14,7 @@ yields the new tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,51 +53,54 @@ class Step:
     draft_calls: int
 
 
-def speculative_step(d: Decoding, context: list[int], k: int) -> Step:
+def speculative_step(state: Decoding, context: list[int], k: int) -> Step:
     """Draft up to k tokens after `context`, verify them with one target call, and roll both
     caches back to what was accepted."""
-    drafter, sampling, clock = d.drafter, d.config.sampling, d.clock
+    drafter, sampling, clock = state.drafter, state.config.sampling, state.clock
     drafts, q, draft_calls = [], None, 0
     if drafter and k > 0:
         calls = drafter.calls
         with clock.time("draft"):
-            drafts, q = drafter.propose(context, k, sampling, d.rng, d.config.draft_threshold)
+            drafts, q = drafter.propose(context, k, sampling, state.rng,
+                                        state.config.draft_threshold)
         draft_calls = drafter.calls - calls
-    if d.cache.length + len(drafts) + 1 > d.cache.capacity:
-        d.cache = d.cache.grown(capacity_for(d.cache.length + len(drafts) + 1, d.limit))
+    rows_needed = state.cache.length + len(drafts) + 1
+    if rows_needed > state.cache.capacity:
+        state.cache = state.cache.grown(capacity_for(rows_needed, state.limit))
     with clock.time("target"):
-        rows = d.choice.run(d.target, d.cache, [context[-1], *drafts], len(drafts) + 1)
+        rows = state.choice.run(state.target, state.cache, [context[-1], *drafts],
+                                len(drafts) + 1)
         if drafter and drafter.needs_features:
-            drafter.observe(d.target.features, len(context) - 1)
+            drafter.observe(state.target.features, len(context) - 1)
     with clock.time("sampling"):
-        n, token = d.choice.verify(rows, drafts, q, sampling, d.rng)
+        n, token = state.choice.verify(rows, drafts, q, sampling, state.rng)
     # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
-    d.cache.rollback(len(context) + n)
+    state.cache.rollback(len(context) + n)
     if drafter:
         drafter.rollback(len(context) + n)
     return Step([*drafts[:n], token], len(drafts), n, draft_calls)
 
 
-def prefill(d: Decoding, prompt: list[int]) -> int:
+def prefill(state: Decoding, prompt: list[int]) -> int:
     """Run the prompt through the target (and the drafter) and choose the first token."""
-    with d.clock.time("prefill"):
-        rows = d.choice.run(d.target, d.cache, prompt, 1)
-        if d.drafter:
-            d.drafter.start(prompt, d.limit)
-            if d.drafter.needs_features:
-                d.drafter.observe(d.target.features, 0)
-    with d.clock.time("sampling"):
-        return d.choice.pick(rows, d.config.sampling, d.rng)
+    with state.clock.time("prefill"):
+        rows = state.choice.run(state.target, state.cache, prompt, 1)
+        if state.drafter:
+            state.drafter.start(prompt, state.limit)
+            if state.drafter.needs_features:
+                state.drafter.observe(state.target.features, 0)
+    with state.clock.time("sampling"):
+        return state.choice.pick(rows, state.config.sampling, state.rng)
 
 
-def decode(d: Decoding, prompt: list[int], histories: Histories,
-           model_seconds) -> Iterator[list[int]]:
+def decode(state: Decoding, prompt: list[int], histories: Histories,
+           model_seconds: Callable[[], float]) -> Iterator[list[int]]:
     """Yield the tokens of each step, up to max_new_tokens in all. `histories` carries
     auto's measurements across generations; `model_seconds()` is the time spent inside the
     backends so far, for the share of time outside them."""
-    config, drafter, clock = d.config, d.drafter, d.clock
+    config, drafter, clock = state.config, state.drafter, state.clock
     max_new = config.max_new_tokens
-    token = prefill(d, prompt)
+    token = prefill(state, prompt)
     clock.model_start = model_seconds()
     context, new = [*prompt, token], [token]
     yield new
@@ -108,11 +111,11 @@ def decode(d: Decoding, prompt: list[int], histories: Histories,
         # Never draft past max_new_tokens: the last slot is the target's own token.
         k = min(auto_k(history, config.k_max) if config.auto else config.k_max,
                 max_new - generated - 1)
-        step = speculative_step(d, context, k)
+        step = speculative_step(state, context, k)
         clock.record_step(step.drafted, step.accepted)
         clock.draft_calls += step.draft_calls
         # A draft that took in more than the last step's tokens was catching up: not what a
-        # draft step costs (drafting/__init__.py, `caught_up`), so it does not feed d.
+        # draft step costs (drafting/__init__.py, `caught_up`), so it does not feed state.
         steady = step.draft_calls and drafter.caught_up <= len(new)
         history.observe(step.drafted, step.accepted,
                         clock.last["target"] + clock.last["sampling"], clock.last["draft"],
