@@ -4,8 +4,12 @@ says why; with one, every part that ran must pass."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).parent.parent
 PARTS = {"sampling_kernels", "device_kv", "device_loop", "ort_cuda", "tensorrt"}
@@ -78,3 +82,192 @@ def test_the_device_loop_check_passes_on_host_memory(tiny_bundle):
     report = gpu_check.check_device_loop(tiny_bundle, HostMemory, HostSampler)
     assert report["status"] == "pass", report
     assert report["identical_to_ort_cpu"] == report["greedy_cases"] == 8
+
+
+def test_gpu_check_runs_this_checkout_without_an_install(tmp_path):
+    """A GPU machine may hold the checkout and the dependencies but no installed specedge:
+    the script must import this checkout's code. Stand-in for such a machine: a Python
+    whose `import specedge` ignores site-packages (where the install lives)."""
+    import sys
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.machinery, sys\n"
+        "class NotInstalled(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'specedge':\n"
+        "            return None\n"
+        "        spec = importlib.machinery.PathFinder.find_spec(\n"
+        "            name, [p for p in sys.path if 'site-packages' not in p])\n"
+        "        if spec is None:\n"
+        "            raise ModuleNotFoundError('specedge is not installed', name=name)\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, NotInstalled())\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{hide}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    hidden = subprocess.run([str(python), "-c", "import specedge"], capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert "specedge is not installed" in hidden.stderr  # the stand-in works
+    out = tmp_path / "report.json"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHON": str(python)})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    if report["machine"]["gpu"] is None:
+        assert report["parts"]["sampling_kernels"]["nvrtc_compile"].startswith("ok")
+    else:
+        assert report["status"] == "pass"
+
+
+def _gpu_check():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    return gpu_check
+
+
+class _ScaledLogits:
+    """An engine whose logits come out 1.5 times too large: the same argmax everywhere, so
+    the same greedy tokens, but every probability wrong."""
+
+    def __new__(cls, spec, memory):
+        gpu_check = _gpu_check()
+
+        class Scaled(gpu_check.HostEngineOnDevice):
+            def execute(self, key, plan, host_values):
+                super().execute(key, plan, host_values)
+                (logits,) = [b for b in plan if b.name == "logits"]
+                rows = np.empty(logits.shape, logits.dtype)
+                self.memory.download(logits.address, rows)
+                self.memory.upload(logits.address, rows * np.float32(1.5))
+
+        return Scaled(spec, memory)
+
+
+def test_an_fp16_engine_is_judged_by_tolerance_not_token_equality(tiny_bundle,
+                                                                   tiny_checkpoints,
+                                                                   tmp_path):
+    """gpu_check's comparison of an fp16 engine with ort-cpu, on the CPU: the tiny model's
+    fp16 export through the host-emulated device path (what a TensorRT fp16 engine of it
+    would compute, up to kernel choices), against ort-cpu on the fp32 graph. fp16 flips a
+    near-tie, so token equality (the fp32 rule) fails a correct engine; the fp16 rule passes
+    it and reports the agreement, the first divergence and the logit difference."""
+    from specedge.export.bundle_writer import export_bundle
+    from specedge.runtime import Generator
+    from specedge.runtime.backends.device_sampling import HostSampler
+    from specedge.runtime.backends.memory import HostMemory
+
+    gpu_check = _gpu_check()
+    fp16 = tmp_path / "fp16"
+    export_bundle(str(tiny_checkpoints["llama"]), fp16, draft_layers=1, precision="fp16")
+    ref = Generator.from_bundle(tiny_bundle)
+    report = gpu_check.compare_generators(
+        ref, gpu_check.device_generator(fp16, HostMemory, HostSampler), "fp16")
+    assert report["status"] == "pass", report
+    assert report["precision"] == "fp16" and report["tolerance"]["reason"]
+    logits = report["teacher_forced_logits"]
+    assert logits["positions"] == 2 * gpu_check.NEW_TOKENS
+    assert 0.9 <= logits["greedy_agreement"] < 1.0
+    assert set(logits["first_disagreement"]) == set(gpu_check.TINY_PROMPTS)
+    assert [d for d in logits["first_disagreement"].values() if d is not None]
+    assert 0 < logits["max_logit_diff_in_row_std"] <= 0.1
+    assert report["identical_to_ort_cpu"] < report["greedy_cases"] == 8
+    assert report["first_divergence"] == min(c["first_divergence"]
+                                             for c in report["divergences"])
+    for case in report["divergences"]:
+        assert case["near_tie"] and 0 <= case["ort_cpu_margin_in_row_std"] <= 0.5
+    # The same engine judged as fp32 (token for token, as gpu_check judged every engine):
+    assert gpu_check.verdict("fp32", logits, report["divergences"])[0] == "fail"
+
+
+def test_an_engine_with_wrong_logits_fails_though_its_tokens_are_right(tiny_bundle):
+    """Control: logits 1.5 times too large keep every greedy token (8 cases of 8 equal to
+    ort-cpu's) but are far outside any tolerance: fp32 and fp16 rules both fail it."""
+    from specedge.runtime import Generator
+    from specedge.runtime.backends.device_sampling import HostSampler
+    from specedge.runtime.backends.memory import HostMemory
+
+    gpu_check = _gpu_check()
+    dev = gpu_check.device_generator(tiny_bundle, HostMemory, HostSampler, _ScaledLogits)
+    report = gpu_check.compare_generators(Generator.from_bundle(tiny_bundle), dev, "fp16")
+    assert report["identical_to_ort_cpu"] == report["greedy_cases"] == 8
+    assert report["status"] == "fail"
+    assert report["teacher_forced_logits"]["max_logit_diff_in_row_std"] > 0.25
+    assert gpu_check.verdict("fp32", report["teacher_forced_logits"], [])[0] == "fail"
+
+
+def test_the_verdict_allows_reduced_precision_divergences_only_at_near_ties():
+    gpu_check = _gpu_check()
+    close = {"max_logit_diff_in_row_std": 0.1}
+
+    def case(margin):
+        return {"prompt": "p", "settings": {}, "first_divergence": 3,
+                "ort_cpu_margin_in_row_std": margin, "near_tie": margin <= 0.5}
+
+    assert gpu_check.verdict("fp16", close, [case(0.3)]) == ("pass", [])
+    status, reasons = gpu_check.verdict("fp16", close, [case(0.3), case(0.8)])
+    assert status == "fail" and len(reasons) == 1 and "not a near tie" in reasons[0]
+    assert gpu_check.verdict("fp32", close, [])[0] == "fail"  # 0.1 > fp32's 1e-3
+    assert gpu_check.verdict("fp32", {"max_logit_diff_in_row_std": 1e-6}, []) == ("pass", [])
+    assert gpu_check.verdict("fp32", {"max_logit_diff_in_row_std": 1e-6},
+                             [case(0.0)])[0] == "fail"
+    assert gpu_check.verdict("bf16", {"max_logit_diff_in_row_std": 0.6}, [])[0] == "pass"
+    assert gpu_check.verdict("fp16", {"max_logit_diff_in_row_std": 0.26}, [])[0] == "fail"
+    with pytest.raises(ValueError, match="no logit tolerance is stated for precision 'int8'"):
+        gpu_check.verdict("int8", close, [])
+
+
+def test_logit_report_and_first_divergence():
+    gpu_check = _gpu_check()
+    assert gpu_check.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert gpu_check.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert gpu_check.first_divergence([1, 2], [1, 2, 3]) == 2
+    ref = np.array([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
+    dev = ref.copy()
+    dev[1, 1] += 1.5  # 3.5: now above token 0's 3.0, so the argmax moves
+    report = gpu_check.logit_report(ref, dev, [3, 0, 2])
+    assert report["greedy_agreement"] == pytest.approx(2 / 3)
+    assert report["first_disagreement"] == 1 and report["positions"] == 3
+    assert report["max_logit_diff"] == 1.5
+    assert report["max_logit_diff_in_row_std"] == pytest.approx(1.5 / ref[1].std())
+    assert gpu_check.margin_in_row_std(ref[0], 3, 1) == pytest.approx(2 / ref[0].std())
+
+
+def test_the_tensorrt_part_judges_each_engine_by_its_precision(tiny_bundle, tmp_path,
+                                                                monkeypatch):
+    """check_tensorrt's plumbing, TensorRT stood in for: `build_engines` records what it is
+    asked to build, and backend 'tensorrt' is the host-emulated device backend on the
+    bundle's own graph. The tiny fp32 engine must be judged token for token against the
+    fp32 graph; the fp16 one, built from the fp16 export, by the fp16 tolerance against
+    the fp32 graph (it leaves ort-cpu's tokens at a near tie, so token equality would fail
+    it)."""
+    import shutil
+
+    import specedge.export.tensorrt.build as build
+    from specedge.runtime import Generator
+
+    gpu_check = _gpu_check()
+    built = []
+    monkeypatch.setattr(build, "build_engines",
+                        lambda bundle, precision: built.append((Path(bundle).name, precision)))
+    from_bundle = Generator.from_bundle
+
+    def emulated(bundle, backend="ort-cpu", **kwargs):
+        return from_bundle(bundle, backend="host-emulated" if backend == "tensorrt"
+                           else backend, **kwargs)
+
+    monkeypatch.setattr(Generator, "from_bundle", staticmethod(emulated))
+    shutil.copytree(tiny_bundle, tmp_path / "tiny-bundle")  # as --tiny-bundle gives it
+    report = gpu_check.check_tensorrt({"tensorrt": "10.3.0"}, tmp_path, None)
+    assert built == [("tiny-trt", "fp32"), ("tiny-fp16-trt", "fp16")]
+    assert report["status"] == "pass", report
+    assert report["tiny"]["precision"] == "fp32"
+    assert report["tiny"]["identical_to_ort_cpu"] == 8
+    assert report["tiny-fp16"]["precision"] == "fp16"
+    assert report["tiny-fp16"]["identical_to_ort_cpu"] < 8
+    assert report["smollm2"]["status"] == "not run"

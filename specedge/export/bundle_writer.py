@@ -26,7 +26,6 @@ from specedge.export.drafts.truncated import (
     check_same_vocabulary,
     truncated_draft,
 )
-from specedge.export.files import replacing
 from specedge.export.graph.families import SUPPORTED_ARCHITECTURES, fused_attention, model_dims
 from specedge.export.graph.trace import GRAPH_REVISION, OPSET, export_onnx
 from specedge.export.quantize import (
@@ -49,6 +48,7 @@ from specedge.runtime.bundle import (
     KV_LAYOUT_IN_PLACE,
     MANIFEST,
 )
+from specedge.runtime.files import replacing
 
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 

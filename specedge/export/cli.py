@@ -43,8 +43,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare the graphs with transformers; fail if they disagree")
     p.add_argument("--backend", choices=EXPORT_BACKENDS, default="onnx",
                    help="the backend the bundle is for: onnx (default), ort-cpu or ort-cuda "
-                   "write ONNX graphs only; tensorrt also builds fp16 TensorRT engines for "
-                   "this machine's GPU (see `specedge build` for options)")
+                   "write ONNX graphs only; tensorrt also builds TensorRT engines for this "
+                   "machine's GPU (fp16; on TensorRT 11 the export's precision; see "
+                   "`specedge build` for options)")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
 
 
@@ -107,8 +108,11 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
 TENSORRT_EXPORT_PRECISIONS = ("fp32", "fp16")
 
 
-def _tensorrt_preflight(args: argparse.Namespace) -> None:
-    """Before the slow export: fail now if the engines could not be built afterwards."""
+def _tensorrt_preflight(args: argparse.Namespace) -> str:
+    """Before the slow export: fail now if the engines could not be built afterwards.
+    Returns the engines' precision: fp16, except on a TensorRT that takes the precision from
+    the graph's types (11.x, tensorrt/plan.py `strongly_typed`), where an fp32 export builds
+    fp32 engines."""
     if args.precision not in TENSORRT_EXPORT_PRECISIONS:
         raise ValueError(f"--backend tensorrt needs --precision fp32 or fp16, got "
                          f"{args.precision}: int8/int4 graphs use MatMulNBits, an ONNX Runtime "
@@ -117,8 +121,14 @@ def _tensorrt_preflight(args: argparse.Namespace) -> None:
         raise ValueError("--backend tensorrt needs --attention portable or auto: fused "
                          "attention is an ONNX Runtime operator TensorRT cannot parse")
     from specedge.export.tensorrt.build import preflight
+    from specedge.export.tensorrt.plan import strongly_typed
 
-    preflight()
+    trt, _ = preflight()
+    if args.precision == "fp32" and strongly_typed(trt.__version__):
+        print(f"TensorRT {trt.__version__} takes the precision from the graph: building fp32 "
+              "engines (export with --precision fp16 for fp16 engines)", file=sys.stderr)
+        return "fp32"
+    return "fp16"
 
 
 def model_argument(args: argparse.Namespace) -> str:
@@ -148,12 +158,11 @@ def run(args: argparse.Namespace) -> None:
     bundle_writer, _ = _export_modules()
     tensorrt = getattr(args, "backend", "onnx") == "tensorrt"
     try:
-        if tensorrt:
-            _tensorrt_preflight(args)
-        manifest = bundle_writer.export_bundle(model, args.out, draft=args.draft,
-                                 draft_layers=args.draft_layers, max_context=args.max_context,
-                                 precision=args.precision, attention=args.attention,
-                                 verify=args.verify, force=args.force)
+        engine_precision = _tensorrt_preflight(args) if tensorrt else None
+        manifest = bundle_writer.export_bundle(
+            model, args.out, draft=args.draft, draft_layers=args.draft_layers,
+            max_context=args.max_context, precision=args.precision, attention=args.attention,
+            verify=args.verify, force=args.force)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -176,7 +185,7 @@ def run(args: argparse.Namespace) -> None:
     out = {"bundle": args.out, "models": models}
     if tensorrt:
         try:
-            manifest = build_engines(args.out, force=args.force)
+            manifest = build_engines(args.out, precision=engine_precision, force=args.force)
         except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
             fail(f"the bundle {args.out} was exported, but building its TensorRT engines "
                  f"failed: {' '.join(str(e).split())}")

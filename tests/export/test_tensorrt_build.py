@@ -2,12 +2,14 @@
 
 Everything around the TensorRT calls is tested here: profiles, argument checks, the manifest's
 `engines` entry, compatibility checks, profile choice, the build's orchestration (with the
-TensorRT step replaced by a fake that writes bytes) and the CLI when TensorRT is missing.
-export/tensorrt/calls.py's TensorRT calls themselves run only on a CUDA machine.
+TensorRT step replaced by a fake that writes bytes), the TensorRT versions accepted, and the
+CLI when TensorRT is missing. export/tensorrt/calls.py runs against strict stand-ins for the
+TensorRT 10 and 11 bindings; its TensorRT calls themselves run only on a CUDA machine.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import shutil
@@ -28,10 +30,12 @@ from specedge.export.tensorrt.plan import (
     EnginePlan,
     builder_flags,
     check_graph_ops,
+    check_graph_precision,
     check_io_names,
     check_precision_supported,
     is_up_to_date,
     plan_builds,
+    strongly_typed,
 )
 from specedge.runtime.backends import gpu_info
 from specedge.runtime.backends.engine_manifest import (
@@ -43,6 +47,7 @@ from specedge.runtime.backends.engine_manifest import (
     engine_record,
     profile_for,
     profile_shapes,
+    tensorrt_major,
 )
 from specedge.runtime.bundle import MANIFEST, ModelSpec, graph_io, load_bundle
 from specedge.runtime.errors import BackendUnavailableError, BundleError
@@ -630,40 +635,103 @@ def test_cli_export_tensorrt_fails_before_exporting(capsys, tiny_checkpoints, tm
     assert not out.exists()
 
 
-# ---- tensorrt/calls.py's control flow, against a stand-in for tensorrt -------------------
-# This checks our own logic (profiles fed in order, shape inputs, pins, flags, files) against
-# our reading of the TensorRT 10 Python API. It does not show that TensorRT behaves so: only
-# a run on a CUDA machine does.
+# ---- tensorrt/calls.py against strict stand-ins for the TensorRT 10 and 11 bindings -------
+# The stand-ins check what the real pybind11 bindings check (NVIDIA/TensorRT
+# python/src/infer/pyCore.cpp, pyGraph.cpp, python/src/parsers/pyOnnx.cpp at v10.3.0 and
+# v11.0): argument types and order (a wrong one is a TypeError), None / False where the C++
+# API returns nullptr / false, and, for TensorRT 11, no removed name (reading or setting one is
+# an AttributeError). They check our own logic (profiles fed in order, shape inputs, pins,
+# flags, typing, files) against that reading of the API; they do not show that TensorRT
+# behaves so: only a run on a CUDA machine does.
+
+# BuilderFlag members that TensorRT 11.0's bindings no longer have (strong typing replaces
+# them); TF32 stays.
+REMOVED_IN_11 = ("FP16", "BF16", "INT8", "FP8", "INT4", "FP4", "OBEY_PRECISION_CONSTRAINTS",
+                 "PREFER_PRECISION_CONSTRAINTS")
+DataType = enum.IntEnum("DataType", "FLOAT HALF BF16 INT32 INT64 BOOL")
+LayerType = enum.IntEnum("LayerType", "SOFTMAX NORMALIZATION CONSTANT SHAPE ASSERTION "
+                                      "ELEMENTWISE CAST MATRIX_MULTIPLY")
+
+
+def _expect(ok: bool, call: str) -> None:
+    """pybind11's answer to arguments of the wrong type."""
+    if not ok:
+        raise TypeError(f"{call}: incompatible function arguments")
+
 
 class _Tensor:
-    def __init__(self, name, dtype="float32", shape_tensor=False):
+    __slots__ = ("name", "dtype", "is_shape_tensor")
+
+    def __init__(self, name, dtype=DataType.FLOAT, shape_tensor=False):
         self.name, self.dtype, self.is_shape_tensor = name, dtype, shape_tensor
 
 
-class _Layer:
-    def __init__(self, name, kind, dtype="float32"):
-        self.name, self.type, self.precision = name, kind, None
-        self.outputs, self.output_types = [_Tensor(name + "_out", dtype)], {}
-        self.num_outputs = 1
+class _Layer11:
+    """ILayer as TensorRT 11 binds it: no `precision`, no `set_output_type` (and __slots__,
+    so setting one raises AttributeError as on a pybind11 object)."""
+
+    __slots__ = ("name", "type", "outputs", "num_outputs")
+
+    def __init__(self, name, kind, dtype=DataType.FLOAT):
+        self.name, self.type = name, kind
+        self.outputs, self.num_outputs = [_Tensor(name + "_out", dtype)], 1
 
     def get_output(self, j):
         return self.outputs[j]
 
-    def set_output_type(self, j, dtype):
-        self.output_types[j] = dtype
+
+class _Layer10(_Layer11):
+    """TensorRT 10's ILayer: precision and output types may be set (weak typing)."""
+
+    __slots__ = ("_precision", "output_types", "network")
+
+    def __init__(self, name, kind, dtype=DataType.FLOAT):
+        super().__init__(name, kind, dtype)
+        self._precision, self.output_types, self.network = None, {}, None
+
+    @property
+    def precision(self):
+        return self._precision
+
+    @precision.setter
+    def precision(self, dtype):
+        _expect(isinstance(dtype, DataType), "ILayer.precision")
+        self._precision = dtype
+        self.network.typed_changes += 1
+
+    def set_output_type(self, index, dtype):
+        _expect(type(index) is int and isinstance(dtype, DataType), "set_output_type")
+        self.output_types[index] = dtype
+        self.network.typed_changes += 1
 
 
-def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logits_to_keep",)):
-    calls: dict = {"flags": [], "cleared": [], "profiles": [], "cache_in": None}
-    inputs, outputs = graph_io(num_layers)
-    layers = [_Layer("/input_layernorm/Pow", "ELEMENTWISE"),
-              _Layer("/input_layernorm/Constant", "CONSTANT"),
-              _Layer("/norm/Shape", "SHAPE", dtype="int64"),
-              _Layer("/norm/Cast_to_int", "CAST", dtype="int64"),
-              _Layer("/Softmax", "SOFTMAX"), _Layer("/self_attn/MatMul", "MATRIX_MULTIPLY")]
+def fake_tensorrt(fail: str | None = None, shape_inputs=("logits_to_keep",),
+                  version: str = TRT_VERSION, stale_cache: bytes | None = None):
+    """A strict stand-in for the tensorrt module of `version` (10.x or 11.x).
+
+    The parsed network's inputs and outputs are the ONNX graph's; its layers a fixed set that
+    exercises the fp32 pins. `calls` records what the code asked for.
+    """
+    v11 = version.split(".")[0] == "11"
+    Layer = _Layer11 if v11 else _Layer10
+    calls: dict = {"flags": [], "cleared": [], "profiles": [], "cache_in": None,
+                   "networks": [], "mismatch_args": []}
+    layers = [Layer("/input_layernorm/Pow", LayerType.ELEMENTWISE),
+              Layer("/input_layernorm/Constant", LayerType.CONSTANT),
+              Layer("/norm/Shape", LayerType.SHAPE, dtype=DataType.INT64),
+              Layer("/norm/Cast_to_int", LayerType.CAST, dtype=DataType.INT64),
+              Layer("/Softmax", LayerType.SOFTMAX),
+              Layer("/self_attn/MatMul", LayerType.MATRIX_MULTIPLY)]
+    flag_names = ["DEBUG", "TF32", "REFIT"] + ([] if v11 else list(REMOVED_IN_11))
+    BuilderFlag = enum.IntEnum("BuilderFlag", flag_names)
+    # 10: EXPLICIT_BATCH (ignored) is bit 0, STRONGLY_TYPED bit 1; 11: STRONGLY_TYPED is bit 0
+    # (deprecated, always on).
+    CreationFlag = enum.IntEnum("NetworkDefinitionCreationFlag", {"STRONGLY_TYPED": 0} if v11
+                                else {"EXPLICIT_BATCH": 0, "STRONGLY_TYPED": 1})
+    precision_flags = {getattr(BuilderFlag, n) for n in REMOVED_IN_11 if hasattr(BuilderFlag, n)}
 
     class ILogger:
-        Severity = types.SimpleNamespace(INTERNAL_ERROR="E!", ERROR="E", WARNING="W")
+        Severity = enum.IntEnum("Severity", "INTERNAL_ERROR ERROR WARNING INFO VERBOSE")
 
         def __init__(self):
             pass
@@ -673,13 +741,30 @@ def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logit
             pass
 
     class Network:
-        num_inputs, num_outputs, num_layers = len(inputs), len(outputs), len(layers)
+        def __init__(self, flags):
+            self.strongly_typed = v11 or bool(flags & (1 << int(CreationFlag.STRONGLY_TYPED)))
+            self.inputs, self.outputs, self.typed_changes = [], [], 0
+            for layer in layers:
+                if not v11:
+                    layer.network = self
+
+        @property
+        def num_inputs(self):
+            return len(self.inputs)
+
+        @property
+        def num_outputs(self):
+            return len(self.outputs)
+
+        @property
+        def num_layers(self):
+            return len(layers)
 
         def get_input(self, i):
-            return _Tensor(inputs[i], "int64", inputs[i] in shape_inputs)
+            return self.inputs[i]
 
         def get_output(self, i):
-            return _Tensor(outputs[i])
+            return self.outputs[i]
 
         def get_layer(self, i):
             return layers[i]
@@ -688,11 +773,22 @@ def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logit
         num_errors = 1
 
         def __init__(self, network, logger):
-            pass
+            _expect(isinstance(network, Network) and isinstance(logger, ILogger),
+                    "OnnxParser.__init__(network, logger)")
+            self.network = network
 
-        def parse_from_file(self, path):
-            calls["parsed"] = path
-            return fail != "parse"
+        def parse_from_file(self, model):
+            _expect(isinstance(model, str), "parse_from_file")
+            calls["parsed"] = model
+            if fail == "parse":
+                return False
+            graph = onnx.load(model, load_external_data=False).graph
+            self.network.inputs = [_Tensor(t.name, DataType.INT64, t.name in shape_inputs)
+                                   if t.name in ("input_ids", "position_ids", "past_length",
+                                                 "logits_to_keep") else _Tensor(t.name)
+                                   for t in graph.input]
+            self.network.outputs = [_Tensor(t.name) for t in graph.output]
+            return True
 
         def get_error(self, i):
             return "In node 7 (Foo): UNSUPPORTED_NODE"
@@ -701,38 +797,67 @@ def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logit
         def __init__(self):
             self.shapes, self.values = {}, {}
 
-        def set_shape(self, name, low, opt, high):
-            self.shapes[name] = (low, opt, high)
+        @staticmethod
+        def _check(call, name, *dims):
+            _expect(isinstance(name, str) and all(
+                isinstance(d, tuple) and all(type(x) is int for x in d) for d in dims), call)
 
-        def set_shape_input(self, name, low, opt, high):
-            self.values[name] = (low, opt, high)
+        def set_shape(self, input, min, opt, max):  # the bindings' argument names
+            self._check("set_shape", input, min, opt, max)
+            self.shapes[input] = (min, opt, max)
 
-    class Cache:
+        def set_shape_input(self, input, min, opt, max):
+            self._check("set_shape_input", input, min, opt, max)
+            self.values[input] = (min, opt, max)
+
+    class ITimingCache:
         def __init__(self, data):
-            self.data = data
+            self.data = bytes(data)
 
         def serialize(self):
             return memoryview(b"cache v2")
 
     class Config:
-        progress_monitor = None
+        def __init__(self):
+            self._monitor, self.cache, self.profiles = None, None, []
+
+        @property
+        def progress_monitor(self):
+            return self._monitor
+
+        @progress_monitor.setter
+        def progress_monitor(self, monitor):
+            _expect(isinstance(monitor, IProgressMonitor), "progress_monitor")
+            self._monitor = monitor
 
         def set_flag(self, flag):
-            calls["flags"].append(flag)
+            _expect(isinstance(flag, BuilderFlag), "set_flag")
+            calls["flags"].append(flag.name)
 
         def clear_flag(self, flag):
-            calls["cleared"].append(flag)
+            _expect(isinstance(flag, BuilderFlag), "clear_flag")
+            calls["cleared"].append(flag.name)
 
         def add_optimization_profile(self, profile):
+            _expect(isinstance(profile, Profile), "add_optimization_profile")
             calls["profiles"].append(profile)
-            return len(calls["profiles"]) - 1
+            self.profiles.append(profile)
+            return len(self.profiles) - 1
 
-        def create_timing_cache(self, data):
-            calls["cache_in"] = calls["cache_in"] if data == b"" else data
-            self.cache = Cache(data)
-            return self.cache
+        def create_timing_cache(self, serialized_timing_cache):
+            _expect(isinstance(serialized_timing_cache, (bytes, bytearray, memoryview)),
+                    "create_timing_cache")
+            if serialized_timing_cache:
+                calls["cache_in"] = bytes(serialized_timing_cache)
+            return ITimingCache(serialized_timing_cache)
 
         def set_timing_cache(self, cache, ignore_mismatch):
+            _expect(isinstance(cache, ITimingCache) and type(ignore_mismatch) is bool,
+                    "set_timing_cache(cache, ignore_mismatch: bool)")
+            calls["mismatch_args"].append(ignore_mismatch)
+            if cache.data and cache.data == stale_cache and not ignore_mismatch:
+                return False  # a cache from another GPU or TensorRT version
+            self.cache = cache
             return True
 
         def get_timing_cache(self):
@@ -740,10 +865,14 @@ def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logit
 
     class Builder:
         def __init__(self, logger):
+            _expect(isinstance(logger, ILogger), "Builder(logger)")
             self.logger = logger
 
-        def create_network(self, flags):
-            return Network()
+        def create_network(self, flags=0):
+            _expect(type(flags) is int, "create_network(flags: int)")
+            network = Network(flags)
+            calls["networks"].append(network)
+            return network
 
         def create_builder_config(self):
             self.config = Config()
@@ -753,6 +882,8 @@ def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logit
             return Profile()
 
         def build_serialized_network(self, network, config):
+            _expect(isinstance(network, Network) and isinstance(config, Config),
+                    "build_serialized_network(network, config)")
             m = config.progress_monitor
             m.phase_start("Building engine", None, 2)
             m.phase_start("Tactic search", "Building engine", 3)
@@ -761,32 +892,41 @@ def fake_tensorrt(num_layers: int, fail: str | None = None, shape_inputs=("logit
             m.phase_finish("Tactic search")
             m.phase_finish("Building engine")
             self.logger.log(ILogger.Severity.WARNING, "a warning")
-            if fail == "build":
-                self.logger.log(ILogger.Severity.ERROR, "out of device memory")
-                return None
+            # TensorRT 10 refuses precision flags and layer types on a strongly typed network.
+            typed_misuse = network.strongly_typed and (
+                precision_flags & {getattr(BuilderFlag, f) for f in calls["flags"]}
+                or network.typed_changes)
+            if fail == "build" or typed_misuse:
+                self.logger.log(ILogger.Severity.ERROR, "out of device memory" if fail
+                                else "precision flags on a strongly typed network")
+                return None  # IBuilder::buildSerializedNetwork returns nullptr
             return memoryview(b"serialized engine")
 
-    trt = types.SimpleNamespace(
-        __version__=TRT_VERSION, ILogger=ILogger, IProgressMonitor=IProgressMonitor,
-        Builder=Builder, OnnxParser=OnnxParser, float32="float32", float16="float16",
-        bfloat16="bfloat16",
-        LayerType=types.SimpleNamespace(**{k: k for k in (
-            "SOFTMAX", "NORMALIZATION", "CONSTANT", "SHAPE", "ASSERTION")}),
-        BuilderFlag=types.SimpleNamespace(**{k: k for k in (
-            "FP16", "BF16", "FP8", "INT8", "TF32", "PREFER_PRECISION_CONSTRAINTS")}))
+    trt = types.ModuleType("tensorrt")
+    trt.__dict__.update(
+        __version__=version, ILogger=ILogger, IProgressMonitor=IProgressMonitor,
+        Builder=Builder, OnnxParser=OnnxParser, float32=DataType.FLOAT,
+        float16=DataType.HALF, bfloat16=DataType.BF16, LayerType=LayerType,
+        BuilderFlag=BuilderFlag, NetworkDefinitionCreationFlag=CreationFlag)
     return trt, calls, layers
+
+
+def build_one(trt, plan, tmp_path, cache=None):
+    return trt_calls.build_engine(trt, plan, tmp_path / "e", cache or tmp_path / "timing.cache")
 
 
 def test_trt_calls_control_flow(tiny_bundle, tmp_path):
     plan = plan_builds(load_bundle(tiny_bundle))[0]
-    trt, calls, layers = fake_tensorrt(plan.num_layers)
+    trt, calls, layers = fake_tensorrt()
     cache = tmp_path / "timing.cache"
     cache.write_bytes(b"cache v1")
     out = tmp_path / "target.engine.tmp"
     assert trt_calls.build_engine(trt, plan, out, cache) == ["logits_to_keep"]
     assert out.read_bytes() == b"serialized engine"
     assert calls["parsed"] == str(plan.onnx)
+    assert [n.strongly_typed for n in calls["networks"]] == [False]
     assert calls["cache_in"] == b"cache v1" and cache.read_bytes() == b"cache v2"
+    assert calls["mismatch_args"] == [False]  # a cache from elsewhere is rejected, not used
     assert calls["flags"] == ["FP16", "PREFER_PRECISION_CONSTRAINTS"] and not calls["cleared"]
     prefill, decode = calls["profiles"]
     assert prefill.values == {"logits_to_keep": ((1,), (1,), (1,))}
@@ -795,35 +935,288 @@ def test_trt_calls_control_flow(tiny_bundle, tmp_path):
     assert prefill.shapes["input_ids"] == ((1, 1), (1, 256), (1, 512))
     assert decode.shapes["past_key_values.1.value"] == ((1, 2, 256, 8), (1, 2, 512, 8),
                                                          (1, 2, 512, 8))
-    pinned = {layer.name for layer in layers if layer.precision == "float32"}
+    pinned = {layer.name for layer in layers if layer.precision == DataType.FLOAT}
     assert pinned == {"/input_layernorm/Pow", "/Softmax"}
-    assert all(layer.output_types == {0: "float32"} for layer in layers
+    assert all(layer.output_types == {0: DataType.FLOAT} for layer in layers
                if layer.name in pinned)
 
 
 def test_trt_calls_fp32_clears_tf32_and_pins_nothing(tiny_bundle, tmp_path):
     plan = plan_builds(load_bundle(tiny_bundle), "fp32")[1]
-    trt, calls, layers = fake_tensorrt(plan.num_layers)
-    trt_calls.build_engine(trt, plan, tmp_path / "e", tmp_path / "timing.cache")
+    trt, calls, layers = fake_tensorrt()
+    build_one(trt, plan, tmp_path)
     assert calls["flags"] == [] and calls["cleared"] == ["TF32"]
     assert all(layer.precision is None for layer in layers)
     assert calls["cache_in"] is None  # no cache file yet: an empty one
+
+
+def test_trt_calls_stale_timing_cache_is_replaced(tiny_bundle, tmp_path, capsys):
+    plan = plan_builds(load_bundle(tiny_bundle))[0]
+    trt, calls, _ = fake_tensorrt(stale_cache=b"from another GPU")
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"from another GPU")
+    build_one(trt, plan, tmp_path, cache)
+    assert "ignoring timing cache" in capsys.readouterr().err
+    assert calls["mismatch_args"] == [False, False]  # rejected, then a fresh one set
+    assert cache.read_bytes() == b"cache v2"
+
+
+@pytest.mark.parametrize("version", ["11.0.0.12", "11.1.0"])
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_trt_calls_tensorrt_11_strongly_typed(tiny_bundle, tmp_path, version, precision):
+    """TensorRT 11: a strongly typed network, no precision flag, no pin; the graph decides."""
+    plan = replace(plan_builds(load_bundle(tiny_bundle), precision)[0],
+                   graph_precision=precision)
+    trt, calls, layers = fake_tensorrt(version=version)
+    assert build_one(trt, plan, tmp_path) == ["logits_to_keep"]
+    assert (tmp_path / "e").read_bytes() == b"serialized engine"
+    assert [n.strongly_typed for n in calls["networks"]] == [True]
+    assert calls["flags"] == []
+    assert calls["cleared"] == (["TF32"] if precision == "fp32" else [])
+    assert len(calls["profiles"]) == 2
+
+
+def test_tensorrt_11_stand_in_lacks_the_removed_api():
+    """The stand-in is as strict as TensorRT 11's bindings: what is gone raises."""
+    trt, _, layers = fake_tensorrt(version="11.0.0")
+    for name in REMOVED_IN_11:
+        with pytest.raises(AttributeError):
+            getattr(trt.BuilderFlag, name)
+    assert trt.BuilderFlag.TF32 is not None
+    with pytest.raises(AttributeError):
+        layers[0].precision = trt.float32
+    with pytest.raises(AttributeError):
+        layers[0].set_output_type(0, trt.float32)
+    trt10, _, layers10 = fake_tensorrt(version="10.16.0")
+    assert all(hasattr(trt10.BuilderFlag, name) for name in REMOVED_IN_11)
+
+
+def test_tensorrt_10_stand_in_rejects_flags_on_a_strongly_typed_network(tiny_bundle,
+                                                                        tmp_path,
+                                                                        monkeypatch):
+    """As TensorRT 10 does: typing and flags must come from the one decision in plan.py."""
+    plan = plan_builds(load_bundle(tiny_bundle))[0]
+    trt, calls, _ = fake_tensorrt()
+    monkeypatch.setattr(trt_calls, "strongly_typed", lambda version: True)
+    monkeypatch.setattr(trt_calls, "builder_flags", lambda precision, strong: (("FP16",), ()))
+    with pytest.raises(RuntimeError, match="could not build.*strongly typed network"):
+        build_one(trt, plan, tmp_path)
+    assert [n.strongly_typed for n in calls["networks"]] == [True]  # bit 1 on TensorRT 10
+
+
+def test_tensorrt_11_without_the_deprecated_typing_flag(tiny_bundle, tmp_path):
+    """STRONGLY_TYPED is deprecated in 11.0 (always on): a release without it still builds."""
+    plan = replace(plan_builds(load_bundle(tiny_bundle))[0], graph_precision="fp16")
+    trt, calls, _ = fake_tensorrt(version="11.2.0")
+    trt.NetworkDefinitionCreationFlag = enum.IntEnum("NetworkDefinitionCreationFlag",
+                                                     "PREFER_AOT_PYTHON_PLUGINS")
+    build_one(trt, plan, tmp_path)
+    assert (tmp_path / "e").read_bytes() == b"serialized engine" and calls["flags"] == []
+
+
+@pytest.mark.parametrize("weak_on_11", ["flags", "pins"])
+def test_trt_calls_unknown_api_is_one_clear_error(tiny_bundle, tmp_path, monkeypatch,
+                                                 weak_on_11):
+    """A TensorRT API the code does not know (here: the weak-typing path run on TensorRT 11)
+    is a RuntimeError saying what to install, not an AttributeError."""
+    plan = plan_builds(load_bundle(tiny_bundle))[0]
+    trt, _, _ = fake_tensorrt(version="11.0.0")
+    if weak_on_11 == "flags":
+        monkeypatch.setattr(trt_calls, "strongly_typed", lambda version: False)
+    else:  # no flags asked, but fp32 pins on layers that have no `precision` in TensorRT 11
+        monkeypatch.setattr(trt_calls, "strongly_typed", lambda version: False)
+        monkeypatch.setattr(trt_calls, "builder_flags", lambda precision, strong: ((), ()))
+    with pytest.raises(RuntimeError) as e:
+        build_one(trt, plan, tmp_path)
+    message = str(e.value)
+    assert "the Python API of TensorRT 11.0.0 is not the one specedge build knows" in message
+    assert "AttributeError" in message and "pip install 'tensorrt>=10,<12'" in message
+    assert "\n" not in message and isinstance(e.value.__cause__, AttributeError)
 
 
 @pytest.mark.parametrize("fail, words", [
     ("parse", "TensorRT cannot parse .*target.onnx: In node 7 \\(Foo\\): UNSUPPORTED_NODE"),
     ("build", "could not build the target engine: out of device memory"),
 ])
-def test_trt_calls_failures(tiny_bundle, tmp_path, fail, words):
-    plan = plan_builds(load_bundle(tiny_bundle))[0]
-    trt, _, _ = fake_tensorrt(plan.num_layers, fail=fail)
+@pytest.mark.parametrize("version", [TRT_VERSION, "11.0.0"])
+def test_trt_calls_failures(tiny_bundle, tmp_path, fail, words, version):
+    """build_serialized_network returns None on failure: a clear error and no engine file."""
+    plan = replace(plan_builds(load_bundle(tiny_bundle))[0], graph_precision="fp16")
+    trt, _, _ = fake_tensorrt(fail=fail, version=version)
     with pytest.raises(RuntimeError, match=words):
-        trt_calls.build_engine(trt, plan, tmp_path / "e", tmp_path / "timing.cache")
+        build_one(trt, plan, tmp_path)
     assert not (tmp_path / "e").exists()
 
 
 def test_trt_calls_unexpected_shape_input(tiny_bundle, tmp_path):
     plan = plan_builds(load_bundle(tiny_bundle))[0]
-    trt, _, _ = fake_tensorrt(plan.num_layers, shape_inputs=("position_ids",))
+    trt, _, _ = fake_tensorrt(shape_inputs=("position_ids",))
     with pytest.raises(RuntimeError, match="'position_ids' as a shape tensor"):
-        trt_calls.build_engine(trt, plan, tmp_path / "e", tmp_path / "timing.cache")
+        build_one(trt, plan, tmp_path)
+
+
+# ---- TensorRT versions and precision at `specedge build` ------------------------------------
+
+@pytest.mark.parametrize("version, major", [("10.0.1.6", 10), ("10.3.0.30", 10),
+                                            ("10.16.0", 10), ("11.0.0.12", 11), ("11.1", 11)])
+def test_supported_tensorrt_versions(version, major):
+    assert tensorrt_major(version) == major
+    assert strongly_typed(version) == (major == 11)
+
+
+@pytest.mark.parametrize("version", ["8.6.2", "9.3.0", "12.0.0", "", "abc", None, "1O.3"])
+def test_unsupported_tensorrt_version_is_one_clear_error(version):
+    with pytest.raises(BackendUnavailableError) as e:
+        tensorrt_major(version)
+    message = str(e.value)
+    assert message.startswith(f"TensorRT {version} is not supported: specedge supports "
+                              "TensorRT 10.x and 11.x; pip install 'tensorrt>=10,<12'")
+    assert "JetPack 6.1" in message and "\n" not in message
+    with pytest.raises(BackendUnavailableError):
+        strongly_typed(version)
+
+
+def test_builder_flags_strongly_typed():
+    for precision in ("fp16", "bf16", "int8", "fp8"):
+        assert builder_flags(precision, strong=True) == ((), ())
+    assert builder_flags("fp32", strong=True) == ((), ("TF32",))
+    assert builder_flags("fp16", strong=False) == builder_flags("fp16")
+
+
+def test_plan_records_the_graph_precision(tiny_bundle):
+    assert [p.graph_precision for p in plan_builds(load_bundle(tiny_bundle))] == ["fp32", "fp32"]
+
+
+GRAPH_PRECISION_CASES = [
+    ("fp16", "fp32", "target.onnx is fp32: build with --precision fp32, or re-export the bundle "
+     "with `specedge export MODEL --precision fp16` for an fp16 engine"),
+    ("fp32", "fp16", "target.onnx is fp16: build with --precision fp16, or re-export the bundle "
+     "with `specedge export MODEL --precision fp32` for an fp32 engine"),
+    ("bf16", "fp16", "build with --precision fp16, or specedge export writes no bf16 graphs"),
+    ("fp16", None, "the manifest does not say which float precision target.onnx holds"),
+]
+
+
+@pytest.mark.parametrize("asked, graph, words", GRAPH_PRECISION_CASES)
+def test_graph_precision_on_tensorrt_11(tiny_bundle, asked, graph, words):
+    plan = replace(plan_builds(load_bundle(tiny_bundle), "fp32")[0], precision=asked,
+                   graph_precision=graph)
+    check_graph_precision(plan, "10.3.0")  # TensorRT 10 converts with flags: any graph
+    with pytest.raises(ValueError) as e:
+        check_graph_precision(plan, "11.0.0")
+    assert "TensorRT 11.0.0 takes the engine's precision from the graph's types" in str(e.value)
+    assert words in str(e.value)
+
+
+def test_graph_precision_on_tensorrt_11_accepts(tiny_bundle):
+    plan = plan_builds(load_bundle(tiny_bundle), "fp32")[0]
+    check_graph_precision(plan, "11.0.0")
+    check_graph_precision(replace(plan, precision="fp16", graph_precision="fp16"), "11.0.0")
+    check_graph_precision(replace(plan, precision="int8"), "11.0.0")  # Q/DQ set it
+
+
+def set_graph_precision(bundle: Path, precision: str) -> None:
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    for model in manifest["models"].values():
+        model["precision"] = precision
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def strict_trt(monkeypatch):
+    """`specedge build` on this machine with TensorRT replaced by a strict stand-in of the
+    version `use(version)` selects; calls.py runs for real against it."""
+    monkeypatch.setattr(trt_build, "gpu_identity", lambda: GPU)
+    chosen = {}
+
+    def use(version: str, **kwargs):
+        trt, calls, _ = fake_tensorrt(version=version, **kwargs)
+        monkeypatch.setattr(trt_build, "import_tensorrt", lambda: trt)
+        chosen["calls"] = calls
+        return trt, calls
+
+    return use
+
+
+@pytest.mark.parametrize("version", ["8.6.2", "12.0.0"])
+def test_preflight_checks_the_tensorrt_version(strict_trt, version):
+    """Checked at preflight, so `specedge export --backend tensorrt` fails before exporting."""
+    strict_trt(version)
+    with pytest.raises(BackendUnavailableError, match=r"not supported: specedge supports "
+                       r"TensorRT 10\.x and 11\.x"):
+        trt_build.preflight("fp32")
+    strict_trt("11.0.0")
+    assert trt_build.preflight("fp32")[1] == GPU
+
+
+@pytest.mark.parametrize("version", ["8.6.2", "12.0.0"])
+def test_cli_build_unsupported_tensorrt(capsys, bundle, strict_trt, version):
+    strict_trt(version)
+    files = snapshot(bundle)
+    code, out, err = call_main(capsys, "build", "--bundle", bundle)
+    assert_one_line_error(code, err, f"TensorRT {version} is not supported",
+                          "TensorRT 10.x and 11.x", "pip install 'tensorrt>=10,<12'")
+    assert out == "" and snapshot(bundle) == files
+
+
+def test_cli_build_tensorrt_11_fp16_needs_an_fp16_graph(capsys, bundle, strict_trt):
+    _, calls = strict_trt("11.0.0")
+    files = snapshot(bundle)
+    code, out, err = call_main(capsys, "build", "--bundle", bundle)  # default fp16, fp32 graph
+    assert_one_line_error(code, err, "target.onnx is fp32: build with --precision fp32",
+                          "specedge export MODEL --precision fp16")
+    assert out == "" and snapshot(bundle) == files and calls["networks"] == []
+
+
+@pytest.mark.parametrize("version, precision, graph", [
+    ("11.0.0", "fp32", "fp32"), ("11.1.0", "fp16", "fp16"), ("10.3.0", "fp16", "fp32"),
+    ("10.16.1", "bf16", "fp32")])
+def test_cli_build_with_strict_tensorrt(capsys, bundle, strict_trt, version, precision,
+                                        graph):
+    """The whole build, calls.py included, against the stand-in of each major version."""
+    set_graph_precision(bundle, graph)
+    _, calls = strict_trt(version)
+    code, out, err = call_main(capsys, "build", "--bundle", bundle, "--precision", precision)
+    assert code == 0, err
+    assert json.loads(out)["tensorrt_version"] == version
+    assert [n.strongly_typed for n in calls["networks"]] == [version.startswith("11")] * 2
+    assert (bundle / "draft.engine").read_bytes() == b"serialized engine"
+    entry = engine_entry(load_bundle(bundle), "target")
+    assert entry.precision == precision and entry.tensorrt_version == version
+
+
+def test_cli_build_unknown_tensorrt_api_is_one_line(capsys, bundle, strict_trt, monkeypatch):
+    trt, _ = strict_trt("11.0.0")
+    set_graph_precision(bundle, "fp16")
+    del trt.OnnxParser  # a TensorRT without the ONNX parser the build needs
+    files = snapshot(bundle)
+    code, out, err = call_main(capsys, "build", "--bundle", bundle)
+    assert "Traceback" not in err and code == 2 and out == ""
+    *progress, last = err.strip().splitlines()
+    assert all(line.startswith("build target") for line in progress), err
+    assert last.startswith("specedge") and "error" in last
+    for words in ("the Python API of TensorRT 11.0.0 is not the one specedge build knows",
+                  "OnnxParser", "pip install 'tensorrt>=10,<12'"):
+        assert words in last, last
+    assert snapshot(bundle) == files
+
+
+@pytest.mark.parametrize("version,precision,engines", [("10.3.0", "fp32", "fp16"),
+                                                       ("11.0.0", "fp32", "fp32"),
+                                                       ("11.0.0", "fp16", "fp16")])
+def test_cli_export_tensorrt_builds_what_the_tensorrt_can(capsys, tiny_checkpoints, tmp_path,
+                                                          fake_trt, monkeypatch, version,
+                                                          precision, engines):
+    """`export --backend tensorrt` builds fp16 engines where the precision is a builder flag
+    (TensorRT 10) and engines of the export's own precision where the graph's types set it
+    (TensorRT 11), instead of failing after the export."""
+    monkeypatch.setattr(trt_build, "import_tensorrt",
+                        lambda: types.SimpleNamespace(__version__=version))
+    out = tmp_path / "bundle"
+    code, stdout, err = call_main(capsys, "export", tiny_checkpoints["llama"], "--out", out,
+                                  "--draft-layers", 1, "--backend", "tensorrt",
+                                  "--precision", precision)
+    assert code == 0, err
+    assert json.loads(stdout)["engines"] == {"target": "target.engine", "draft": "draft.engine"}
+    assert [p.precision for p in fake_trt] == [engines, engines]
+    assert (out / "target.engine").read_bytes() == f"target {engines} engine".encode()

@@ -11,7 +11,13 @@ from two_sample import first_two_tokens, two_sample_pvalue
 from specedge.runtime import Generator
 from specedge.runtime.backends import load_backend
 from specedge.runtime.backends.device import DeviceBackend, binding_plan
-from specedge.runtime.backends.device_kv_cache import DeviceKVCache, arena_layout
+from specedge.runtime.backends.device_kv_cache import (
+    INPUT_NAMES,
+    DeviceKVCache,
+    aligned_host_buffer,
+    arena_layout,
+    input_slots,
+)
 from specedge.runtime.backends.engines import OrtEngine
 from specedge.runtime.backends.memory import ALIGNMENT, HostMemory
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
@@ -100,6 +106,28 @@ def test_binding_plan_covers_the_contract_at_arena_addresses():
         binding_plan(SPEC, dev, t=17, n=1)
 
 
+@pytest.mark.parametrize("max_tokens", [9, 1000])
+def test_every_bound_address_is_aligned_for_any_max_prompt(max_tokens):
+    """TensorRT requires 256-byte aligned tensor addresses (NvInferRuntime.h,
+    setTensorAddress). With --max-prompt 1000, 8 * max_tokens = 8000 bytes is no multiple of
+    256, nor is a [2, 9, 4] float32 present."""
+    dev = DeviceKVCache(HostMemory(), SPEC, capacity=1024, max_tokens=max_tokens, max_keep=5)
+    plan = binding_plan(SPEC, dev, t=5, n=3)
+    assert [b.name for b in plan if b.address % ALIGNMENT] == []
+    slots = input_slots(max_tokens)
+    ends = [(slots[n].offset, slots[n].offset + slots[n].nbytes) for n in INPUT_NAMES]
+    assert all(start % ALIGNMENT == 0 for start, _ in ends)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(ends, ends[1:]))
+    assert ends[-1][1] <= slots["total"].nbytes == dev.layout["inputs"].nbytes
+
+
+@pytest.mark.parametrize("nbytes", [8, 100, 8008])
+def test_aligned_host_buffer(nbytes):
+    buffers = [aligned_host_buffer(nbytes) for _ in range(20)]
+    assert all(b.ctypes.data % ALIGNMENT == 0 and b.nbytes == nbytes and not b.any()
+               for b in buffers)
+
+
 @pytest.fixture(scope="module")
 def bundle(tiny_bundle):
     return load_bundle(tiny_bundle)
@@ -134,6 +162,30 @@ def test_long_prompts_are_prefilled_in_chunks(bundle):
     assert calls == [4, 4, 3]
     assert dc.length == len(ids)
     np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_the_engine_reads_host_inputs_from_aligned_slots_holding_the_staged_values(bundle):
+    """What an engine may read from the host (TensorRT: the shape tensor logits_to_keep)
+    sits in aligned slots holding the values uploaded for the call, max_tokens 9 or not."""
+    dev = load_backend("host-emulated", bundle, "target")
+    dev.engine.max_tokens = 9
+    seen = []
+    execute = dev.engine.execute
+
+    def spy(key, plan, host_values):
+        seen.append({name: (v.ctypes.data, v.copy()) for name, v in host_values.items()})
+        execute(key, plan, host_values)
+
+    dev.engine.execute = spy
+    cache = dev.new_cache(256)
+    dev.forward(cache, [1, 5, 9, 2, 7, 3, 3, 8, 1, 4, 6], 1)  # chunks of 9 and 2
+    dev.forward(cache, [4, 5, 6], 2)
+    assert [set(s) for s in seen] == [set(INPUT_NAMES)] * 3
+    assert all(address % ALIGNMENT == 0 for s in seen for address, _ in s.values())
+    assert [(int(s["past_length"][1][0]), int(s["logits_to_keep"][1][0])) for s in seen] == \
+        [(0, 1), (9, 1), (11, 2)]
+    assert seen[2]["input_ids"][1][:3].tolist() == [4, 5, 6]
+    assert seen[2]["position_ids"][1][:3].tolist() == [11, 12, 13]
 
 
 class RecordingMemory(HostMemory):
@@ -258,3 +310,25 @@ def test_cuda_memory_round_trip_or_a_clear_error_without_a_gpu():
 def test_unknown_backend_lists_the_known_ones(bundle):
     with pytest.raises(ValueError, match="ort-cpu, ort-cuda, tensorrt"):
         load_backend("vulkan", bundle, "target")
+
+
+def test_ort_cuda_sessions_keep_fp32_matmuls_in_fp32(tiny_bundle, monkeypatch):
+    """ONNX Runtime's CUDA provider would run fp32 MatMuls in TF32 (its default): the session
+    asks for use_tf32=0, so an fp32 bundle keeps plain decoding's greedy tokens on a GPU."""
+    import onnxruntime as ort
+
+    from specedge.runtime.backends.ort_cpu import open_session
+
+    seen = []
+    real = ort.InferenceSession
+
+    def session(path, options, providers):
+        seen.append(providers)
+        return real(path, options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    spec = load_bundle(tiny_bundle).target
+    open_session(spec, None, "CUDAExecutionProvider")
+    open_session(spec, None, "CPUExecutionProvider")
+    assert seen == [[("CUDAExecutionProvider", {"use_tf32": "0"})],
+                    [("CPUExecutionProvider", {})]]

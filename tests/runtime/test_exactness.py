@@ -13,10 +13,16 @@ implementation fails this file with probability below 0.1%, and every random str
 is seeded, so a given run is deterministic anyway.
 
 Power is demonstrated, not assumed: the negative controls run deliberately wrong
-samplers through the very same helpers and require p-values below ALPHA_EACH.
+samplers through the very same helpers and require p-values below ALPHA_EACH, one of them
+a shift of 0.02-0.05 per token. A chi-square needs two tokens it can expect draws in: a p
+with two or more possible tokens must give two cells with an expected count of
+MIN_EXPECTED or more (asserted); a one-hot p is tested exactly by the zero-probability
+check (4 of the 14 composed cases, where top-p keeps one token).
 
-Cost: about 70 chi-square tests x N_DRAWS calls of ~25-40 us each; N_DRAWS = 8000 keeps
-the file around 20 s on a 2-core machine.
+Sizes: N_DRAWS = 12000 draws per test (twice that for the two-token joint), 74 chi-square
+tests, ALPHA_EACH = 0.001 / 74 = 1.4e-5, each test seeded with its own
+np.random.default_rng (1000, 2000, 3000 + case index, 4000; the controls 5 and 6). The
+file takes about 30 s on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from scipy import stats
 from specedge.runtime.sampling import process_logits, sample
 from specedge.runtime.speculative import residual, verify_sampled
 
-# Draws per chi-square test. With N = 8000 the smallest p-value a sampler that differs
-# from p by 0.05 in one token's probability (total variation >= 0.05) can hide behind is
-# far below ALPHA_EACH; the negative controls below check this for real wrong samplers.
+# Draws per chi-square test. At this N a sampler that moves 0.02-0.05 of probability
+# between tokens gets a p-value far below ALPHA_EACH; the negative controls below check
+# this for real wrong samplers.
 N_DRAWS = 12000
 ALPHA_FAMILY = 1e-3
 MIN_EXPECTED = 5.0  # usual chi-square validity rule: pool cells expected below this
@@ -56,7 +62,10 @@ def _pair_cases() -> list[tuple[str, np.ndarray, np.ndarray]]:
             for rep in range(2):
                 p = rng.dirichlet(np.full(vocab, conc))
                 q = rng.dirichlet(np.full(vocab, conc))
-                cases.append((f"dirichlet{conc}-V{vocab}-{rep}", p, q))
+                # All but a sliver on one token (the sliver expected < MIN_EXPECTED times
+                # in N_DRAWS): no test at this N could see what a sampler does with it.
+                if (p * N_DRAWS >= MIN_EXPECTED).sum() >= 2:
+                    cases.append((f"dirichlet{conc}-V{vocab}-{rep}", p, q))
     # A draft that resembles the target, as a trained draft would.
     for vocab in range(3, 9):
         p = rng.dirichlet(np.full(vocab, 0.5))
@@ -198,8 +207,17 @@ def first_token_counts(
 
 
 def assert_follows(counts: np.ndarray, p: np.ndarray) -> None:
-    """Positive check: no impossible token, and the chi-square does not reject p."""
+    """Positive check: no impossible token, and the chi-square does not reject p.
+
+    A one-hot p is tested exactly by the first check; any other p must give the
+    chi-square two cells with an expected count of MIN_EXPECTED or more, or it would pass
+    whatever the sampler did.
+    """
     assert counts[p == 0].sum() == 0, f"emitted zero-probability tokens: {counts[p == 0]}"
+    populated = int((p / p.sum() * counts.sum() >= MIN_EXPECTED).sum())
+    assert (p > 0).sum() == 1 or populated >= 2, (
+        f"p {np.round(p, 6).tolist()} leaves the chi-square {populated} cell(s) with an "
+        f"expected count of {MIN_EXPECTED} or more at N = {counts.sum()}: it has no power")
     pvalue = gof_pvalue(counts, p)
     assert pvalue >= ALPHA_EACH, (
         f"counts {counts.tolist()} do not follow p {np.round(p, 4).tolist()}: "
@@ -234,8 +252,12 @@ def test_first_token_follows_p_with_temperature_top_k_top_p(seed, p, q):
 
 def test_composed_cases_cover_filtered_draft_tokens():
     # The composed family must include the edge case "p(x) == 0 after top-k/top-p while
-    # the draft likes x", or the test above would not exercise it.
+    # the draft likes x", or the test above would not exercise it; and top-p must leave
+    # most of its cases more than one token, or they would only test the support.
     assert any(((p == 0) & (q > 0.05)).any() for _, p, q in COMPOSED_CASES)
+    spread = [name for name, p, _ in COMPOSED_CASES
+              if (p * N_DRAWS >= MIN_EXPECTED).sum() >= 2]
+    assert len(spread) >= 10, spread
 
 
 @pytest.mark.parametrize(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from two_sample import first_two_tokens, two_sample_pvalue
+from two_sample import first_tokens, two_sample_pvalue
 
-from specedge.runtime import Generator
+from specedge.runtime import Generator, token_choice
 from specedge.runtime.config import Sampling
 from specedge.runtime.drafting import PromptLookupDrafter
+from specedge.runtime.sampling import sample
 
 PROMPTS = ["hello world", "the cat sat on the mat", "a, b, c!", "why?"]
 
@@ -27,6 +28,10 @@ def self_gen(tiny_self_draft_bundle):
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("drafter", ["model", "prompt-lookup", "lookup+model"])
 def test_greedy_speculative_equals_plain(gen, k, drafter):
+    """Equal tokens prove something only where drafts were both accepted (the accepted ones
+    are what the target did not compute one by one) and rejected (the correction replaces
+    a draft): both must happen over the prompts."""
+    accepted = rejected = 0
     for prompt in PROMPTS:
         plain = gen.generate(prompt, raw=True, max_new_tokens=40, use_draft=False)
         spec = gen.generate(prompt, raw=True, max_new_tokens=40, draft_tokens=k,
@@ -34,6 +39,12 @@ def test_greedy_speculative_equals_plain(gen, k, drafter):
         assert spec.token_ids == plain.token_ids
         assert spec.text == plain.text
         assert plain.stats["draft_calls"] == 0 and plain.stats["tokens_per_target_call"] == 1
+        accepted += spec.stats["accepted_tokens"]
+        # Drafts after the first rejection of a step are never examined: drafted minus
+        # accepted would count them as rejections.
+        rejected += sum(spec.stats["position_tries"]) - spec.stats["accepted_tokens"]
+        assert spec.stats["accepted_tokens"] <= spec.stats["drafted_tokens"]
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
 
 
 def test_host_cache_grows_between_steps_with_the_same_tokens(gen, monkeypatch):
@@ -71,32 +82,84 @@ def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
     assert out.stats["acceptance_rate"] > 0.97
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0, drafter="model"),
-                                      dict(temperature=0.7, top_k=8, top_p=0.9,
-                                           drafter="model"),
-                                      dict(temperature=1.0, draft_threshold=0.3,
-                                           drafter="model"),
-                                      dict(temperature=1.0, drafter="lookup+model",
-                                           prompt_ids=(1, 10, 7, 1, 10))])
-def test_speculative_and_plain_sample_the_same_first_two_tokens(gen, sampling):
-    """Two-sample chi-square on the joint of the first two generated tokens.
+def _resamples_from_p(draft_ids, q_probs, p_probs, rng):
+    """WRONG on purpose: verify_sampled's acceptance test, but a rejected draft is replaced
+    by a draw from p_i instead of the residual norm(max(0, p_i - q_i)), the usual mistake in
+    speculative sampling. Only the token that replaces a rejected draft is off."""
+    def at(row, x):
+        return float(row.at(x)) if hasattr(row, "at") else float(row[x])
 
-    N = 1500 generations per arm (seeds 0.. and 10000..), alpha = 0.001. The draft is the
-    target's first layer, so p != q and rejections and residual draws really happen. With
-    lookup+model, the prompt ends in a bigram it contains: when t1 repeats what followed it,
-    t2 is drafted by lookup, otherwise by the model.
+    for i, x in enumerate(draft_ids):
+        q_x = 1.0 if q_probs is None else at(q_probs[i], x)
+        if rng.random() * q_x < at(p_probs[i], x):
+            continue
+        return i, sample(p_probs[i], rng)
+    return len(draft_ids), sample(p_probs[len(draft_ids)], rng)
+
+
+# (settings, tokens counted). A draft whose q is under the threshold is kept and ends the
+# drafting, so with one draft (two tokens counted) the threshold would change nothing; its
+# case counts three tokens: t2 and t3 are the verified first and second drafts, or what
+# replaced them.
+SAMPLED_SETTINGS = [
+    (dict(temperature=1.0, drafter="model"), 2),
+    (dict(temperature=0.7, top_k=8, top_p=0.9, drafter="model"), 2),
+    (dict(temperature=1.0, draft_threshold=0.3, drafter="model"), 3),
+    (dict(temperature=1.0, drafter="lookup+model", prompt_ids=(1, 4, 12, 9, 1, 4)), 2),
+]
+
+
+@pytest.mark.parametrize("sampling,count", SAMPLED_SETTINGS,
+                         ids=["T1", "T0.7-topk-topp", "threshold", "lookup+model"])
+def test_speculative_and_plain_sample_the_same_first_tokens(gen, sampling, count,
+                                                             monkeypatch):
+    """Two-sample chi-square on the joint of the first `count` generated tokens.
+
+    N = 1500 generations per arm: plain with seeds 0 .. 1499, speculative (K = 2) with seeds
+    10000 .. 11499; alpha = 0.001; cells with fewer than 10 draws in both arms together
+    are pooled. The draft is the target's first layer, so p != q and rejections and
+    residual draws really happen (asserted: at least 100 rejected drafts in the speculative
+    arm). With lookup+model the prompt ends in "1 4", which it holds earlier followed by
+    "12 9": when t1 is 12 (p = 0.62) lookup drafts t2 (9), otherwise the model does (both
+    asserted to happen in at least 100 generations).
+
+    Power control, at the same N, seeds and alpha: the speculative arm run with a verifier
+    that replaces a rejected draft by a draw from p instead of the residual
+    (`_resamples_from_p`) must be rejected. On these settings its p-values are 2e-13 to
+    2e-9 (the correct arm's 0.18 to 0.86); a bug half that size (a draw from half p, half
+    the residual) gives p = 0.004 at T = 1, which this N does not detect.
     """
     arm = {k: v for k, v in sampling.items() if k != "drafter"}
-    plain = first_two_tokens(gen, 1500, 0, use_draft=False, **arm)
-    spec = first_two_tokens(gen, 1500, 10_000, draft_tokens=2, **sampling)
+    plain = first_tokens(gen, 1500, 0, count, use_draft=False, **arm)
+    stats: list[dict] = []
+    spec = first_tokens(gen, 1500, 10_000, count, draft_tokens=2, stats=stats, **sampling)
+    rejected = sum(sum(s["position_tries"]) - s["accepted_tokens"] for s in stats)
+    assert rejected >= 100, f"{rejected} rejected drafts: the residual is hardly drawn"
+    if "draft_threshold" in sampling:
+        # Without the threshold the first step drafts 2 tokens; one drafted token in all
+        # means the threshold cut the first step's drafts after one.
+        assert sum(s["drafted_tokens"] == 1 for s in stats) >= 100
+    if sampling["drafter"] == "lookup+model":
+        lookup = sum(c for tokens, c in spec.items() if tokens[0] == 12)
+        assert 100 <= lookup <= 1400, f"lookup drafted in {lookup} of 1500 generations"
     assert two_sample_pvalue(plain, spec) > 0.001
+    monkeypatch.setattr(token_choice, "verify_sampled", _resamples_from_p)
+    wrong = first_tokens(gen, 1500, 10_000, count, draft_tokens=2, **sampling)
+    assert two_sample_pvalue(plain, wrong) < 0.001
 
 
-def test_two_sample_check_has_power(gen):
-    """Negative control: the same check tells temperature 1.0 from 0.8 at the same N."""
-    a = first_two_tokens(gen, 1500, 0, use_draft=False, temperature=1.0)
-    b = first_two_tokens(gen, 1500, 10_000, use_draft=False, temperature=0.8)
-    assert two_sample_pvalue(a, b) < 0.001
+def test_two_sample_test_refuses_a_single_outcome():
+    """Everything on one outcome (a setting that makes the output deterministic) leaves the
+    chi-square no degree of freedom: it would pass any sampler, so it is refused; rare
+    outcomes pooled into one cell of 10 or more draws still make a second cell."""
+    from collections import Counter
+
+    from two_sample import two_sample_test
+
+    with pytest.raises(ValueError, match="fewer than two outcomes"):
+        two_sample_test(Counter({(3, 4): 1500}), Counter({(3, 4): 1497, (5, 6): 3}))
+    rare = Counter({(3, 4): 1490, **{(5, i): 1 for i in range(10)}})
+    assert two_sample_test(rare, Counter({(3, 4): 1500}))[2].shape == (2, 2)
 
 
 def test_default_draft_length_is_auto_when_greedy_and_fixed_when_sampling(gen):
@@ -157,10 +220,15 @@ def test_stops_at_a_stop_string(gen):
 
 
 def test_max_new_tokens_is_exact(gen):
+    """The budget ends the generation: the stop reason is asserted first (an EOS stop would
+    make the length check vacuous), for K up to 9, where the loop must cap K at the tokens
+    left."""
     for k in (1, 4, 9):
         out = gen.generate("hello", raw=True, max_new_tokens=13, draft_tokens=k)
-        if out.stop_reason == "max_new_tokens":
-            assert len(out.token_ids) == 13
+        assert out.stop_reason == "max_new_tokens", (k, out.stop_reason, out.token_ids)
+        assert out.stats["stop_reason"] == "max_new_tokens"
+        assert len(out.token_ids) == 13
+        assert out.stats["drafted_tokens"] > 0
 
 
 def test_stats_are_consistent(gen):

@@ -554,6 +554,18 @@ def test_verify_sampled_never_accepts_token_removed_by_filtering():
     assert verify_sampled([5], q_row[None], p, FixedUniform(0.0, 0.5))[0] == 0
 
 
+@pytest.mark.parametrize("q", [np.array([[0.9, 0.05, 0.05]]), None])
+def test_kernel_twin_never_accepts_a_zero_probability_draft_at_u_zero(q):
+    """The kernels' numpy twin (device_sampling.sampled_verify_reference, the reference of
+    scripts/gpu_check_sampling.py) accepts iff u * q(x) < p(x), strictly: at u = 0, which
+    rng.random() can return, a token the target gives p(x) = 0 must still be rejected."""
+    from specedge.runtime.backends.device_sampling import sampled_verify_reference
+
+    p = np.array([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    n, token = sampled_verify_reference([0], q, p, np.array([0.0, 0.0]))
+    assert n == 0 and p[0, token] > 0
+
+
 def test_verify_sampled_k0_samples_the_bonus_row():
     p = np.array([[0.0, 0.0, 1.0]])
     rng = np.random.default_rng(14)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specedge.export.files import atomic_write
 from specedge.prompts import load_prompts
+from specedge.runtime.files import atomic_write
 
 REQUEST_TOKENS = 64
 MARK = "\x00specedge\x00"

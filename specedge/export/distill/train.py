@@ -52,7 +52,7 @@ from specedge.export.distill.losses import (
 )
 from specedge.export.drafts.feature import FeatureDraft, check_feature_layers
 from specedge.export.drafts.truncated import attach_head, check_mlp_width, make_draft
-from specedge.export.files import replacing
+from specedge.runtime.files import replacing
 
 
 def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):

@@ -7,11 +7,13 @@ tensorrt and cuda-python. The steps:
 1. plan (tensorrt/plan.py, pure, tested without a GPU): validate the arguments and the
    bundle, compute the optimization profiles (runtime/backends/engine_manifest.py) and
    the builder flags;
-2. check the machine: tensorrt importable, a GPU whose compute capability has the precision;
+2. check the machine: tensorrt importable and a supported version (10.x or 11.x), a GPU
+   whose compute capability has the precision, and, on TensorRT 11, which takes precision
+   from the graph's types, a graph in the precision asked;
 3. build (tensorrt/calls.py, the only code that calls TensorRT) each engine that is not
    up to date into a temporary file;
 4. move the engines into place and rewrite manifest.json with its `engines` entry, each
-   atomically (export/files.py), keeping everything else in the manifest.
+   atomically (runtime/files.py), keeping everything else in the manifest.
 """
 
 from __future__ import annotations
@@ -22,24 +24,30 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from specedge.export.files import atomic_write, temp_path
 from specedge.export.tensorrt.plan import (
     DEFAULT_MAX_DRAFT_TOKENS,
     TIMING_CACHE,
+    check_graph_precision,
     check_precision,
     check_precision_supported,
     is_up_to_date,
     plan_builds,
 )
-from specedge.runtime.backends.engine_manifest import engine_record, gpu_identity
+from specedge.runtime.backends.engine_manifest import engine_record, gpu_identity, tensorrt_major
 from specedge.runtime.backends.engines import import_tensorrt
 from specedge.runtime.bundle import MANIFEST, load_bundle
+from specedge.runtime.files import atomic_write, temp_path
 
 
 def preflight(precision: str = "fp16") -> tuple[ModuleType, tuple[str, tuple[int, int]]]:
-    """Everything about the machine a build needs, checked in seconds: (tensorrt, gpu)."""
+    """Everything about the machine a build needs, checked in seconds: (tensorrt, gpu).
+
+    BackendUnavailableError for a TensorRT other than 10.x / 11.x: their Python APIs are the
+    ones tensorrt/calls.py is written for.
+    """
     check_precision(precision)
     trt = import_tensorrt()
+    tensorrt_major(getattr(trt, "__version__", "of unknown version"))
     gpu = gpu_identity()
     check_precision_supported(precision, gpu)
     return trt, gpu
@@ -74,6 +82,8 @@ def build_engines(bundle_dir: str | Path, precision: str = "fp16",
     from specedge.export.tensorrt import calls  # the only module that calls TensorRT
 
     version = trt.__version__
+    for plan in plans:  # before any build: TensorRT 11 needs a graph in the precision asked
+        check_graph_precision(plan, version)
     old = bundle.manifest.get("engines")
     old = old if isinstance(old, dict) else {}
     engines, built = {}, {}

@@ -1,10 +1,17 @@
 """The TensorRT calls of `specedge build`: ONNX graph -> serialized engine file.
 
-Kept thin on purpose: every decision (profiles, flags, which layers stay fp32, file handling)
-is made by pure, tested code in tensorrt/plan.py and runtime/backends/engine_manifest.py.
-This module cannot run without a GPU, so CI does not run it; scripts/gpu_check.sh does, on
-a CUDA machine.
-The `trt` module is passed in (tensorrt/build.py, `preflight`, imports it).
+Kept thin on purpose: every decision (profiles, flags, strong or weak typing, which layers
+stay fp32, file handling) is made by pure, tested code in tensorrt/plan.py and
+runtime/backends/engine_manifest.py. This module cannot run without a GPU, so CI does not run
+it; scripts/gpu_check.sh does, on a CUDA machine. CI runs it against strict stand-ins for the
+TensorRT 10 and 11 bindings (tests/export/test_tensorrt_build.py).
+The `trt` module is passed in (tensorrt/build.py, `preflight`, imports and checks it).
+
+The names, argument orders and return values used here were checked against the Python
+bindings in NVIDIA/TensorRT (python/src/infer/pyCore.cpp, pyGraph.cpp and
+python/src/parsers/pyOnnx.cpp at tags v10.0.0, v10.3.0, v10.16 and v11.0): Builder(logger),
+create_network(flags), OnnxParser(network, logger), set_timing_cache(cache, ignore_mismatch),
+build_serialized_network(network, config) -> IHostMemory or None.
 """
 
 from __future__ import annotations
@@ -16,8 +23,14 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from specedge.export.files import atomic_write
-from specedge.export.tensorrt.plan import EnginePlan, builder_flags, check_io_names
+from specedge.export.tensorrt.plan import (
+    EnginePlan,
+    builder_flags,
+    check_io_names,
+    strongly_typed,
+)
+from specedge.runtime.backends.engine_manifest import SUPPORTED_TENSORRT
+from specedge.runtime.files import atomic_write
 
 # Layers kept in fp32 in fp16/bf16 engines: normalisation (a mean of squares overflows fp16)
 # and softmax. The exporter's RMSNorm is a Pow/ReduceMean/Sqrt/Div chain named after the HF
@@ -34,6 +47,8 @@ def pins_fp32(layer_name: str, kind: str) -> bool:
 
 
 def _pin_layers(trt: ModuleType, network) -> int:
+    # Weakly typed networks only (TensorRT 10): ILayer.precision and set_output_type are gone
+    # in TensorRT 11, where the graph's own types keep a layer in fp32.
     kinds = {getattr(trt.LayerType, n): n for n in ("SOFTMAX", "NORMALIZATION") + _NEVER_PIN
              if hasattr(trt.LayerType, n)}
     floats = [trt.float32, trt.float16] + ([trt.bfloat16] if hasattr(trt, "bfloat16") else [])
@@ -162,14 +177,39 @@ def build_engine(trt: ModuleType, plan: EnginePlan, out: Path, timing_cache: Pat
     """Build `plan` into the file `out`; returns the inputs TensorRT made shape tensors.
 
     Updates `timing_cache`. RuntimeError (with TensorRT's own errors) if parsing or building
-    fails; KeyboardInterrupt if the user pressed Ctrl-C.
+    fails, or if this TensorRT's Python API lacks a name or signature used here;
+    KeyboardInterrupt if the user pressed Ctrl-C.
     """
+    try:
+        return _build_engine(trt, plan, out, timing_cache)
+    except (AttributeError, TypeError) as e:
+        # A TensorRT whose bindings differ from the ones this module was checked against
+        # (a name removed, a signature changed) raises these: the user gets one line saying
+        # what to install, not a traceback.
+        low, high = SUPPORTED_TENSORRT[0], SUPPORTED_TENSORRT[-1]
+        raise RuntimeError(
+            f"the Python API of TensorRT {getattr(trt, '__version__', '?')} is not the one "
+            f"specedge build knows ({type(e).__name__}: {e}): install a TensorRT "
+            f"{low}.x-{high}.x release with its builder and ONNX parser (pip install "
+            f"'tensorrt>={low},<{high + 1}'; on Jetson, JetPack 6.1 or later), and report "
+            "this message if it persists") from e
+
+
+def _build_engine(trt: ModuleType, plan: EnginePlan, out: Path, timing_cache: Path) -> list[str]:
+    strong = strongly_typed(trt.__version__)
     label = f"build {plan.role}"
+    typing = "strongly typed, precision from the graph" if strong else "precision flags"
     print(f"{label}: {plan.onnx.name} -> {plan.engine.name} ({plan.precision}, TensorRT "
-          f"{trt.__version__})", file=sys.stderr, flush=True)
+          f"{trt.__version__}, {typing})", file=sys.stderr, flush=True)
     logger = _logger(trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    # TensorRT 10: 0 is explicit batch, its only mode, and weak typing. TensorRT 11: every
+    # network is strongly typed and the flag is deprecated but accepted ("retained for API
+    # compatibility but ignored", 11.0 Python API docs); pass it while it exists.
+    flags = 0
+    if strong and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     # From a file path, so weights saved as external data beside the graph resolve.
     if not parser.parse_from_file(str(plan.onnx)):
@@ -181,12 +221,12 @@ def build_engine(trt: ModuleType, plan: EnginePlan, out: Path, timing_cache: Pat
                    plan.num_layers)
 
     config = builder.create_builder_config()
-    set_flags, clear_flags = builder_flags(plan.precision)
+    set_flags, clear_flags = builder_flags(plan.precision, strong)
     for name in set_flags:
         config.set_flag(getattr(trt.BuilderFlag, name))
     for name in clear_flags:
         config.clear_flag(getattr(trt.BuilderFlag, name))
-    if plan.precision in ("fp16", "bf16"):
+    if plan.precision in ("fp16", "bf16") and not strong:
         pinned = _pin_layers(trt, network)
         print(f"{label}: {pinned} normalisation/softmax layers kept in fp32", file=sys.stderr)
     shape_inputs = _add_profiles(builder, network, config, plan)
@@ -206,7 +246,7 @@ def build_engine(trt: ModuleType, plan: EnginePlan, out: Path, timing_cache: Pat
             signal.signal(signal.SIGINT, previous)
     if monitor.cancelled:
         raise KeyboardInterrupt
-    if serialized is None:
+    if serialized is None:  # IBuilder::buildSerializedNetwork returns nullptr on failure
         raise RuntimeError(f"TensorRT could not build the {plan.role} engine: "
                            f"{'; '.join(logger.errors[-3:]) or 'no details'}")
     with open(out, "wb") as f:

@@ -1,6 +1,7 @@
 """What `specedge build` will build, computed without a GPU: the arguments and the bundle
-checked, the optimization profiles (runtime/backends/engine_manifest.py), the builder flags,
-and whether an engine already built is up to date."""
+checked, the optimization profiles (runtime/backends/engine_manifest.py), how the TensorRT
+version sets the precision (builder flags, or the graph's types), and whether an engine
+already built is up to date."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from specedge.runtime.backends.engine_manifest import (
     capacity_range,
     profile_shapes,
     profile_summary,
+    tensorrt_major,
 )
 from specedge.runtime.bundle import Bundle, graph_io
 from specedge.runtime.config import AUTO_MAX_K
@@ -29,18 +31,41 @@ MIN_CAPABILITY = {"fp32": (0, 0), "fp16": (5, 3), "bf16": (8, 0), "int8": (6, 1)
 # layers run in fp16 rather than fp32.
 _FLAGS = {"fp32": (), "fp16": ("FP16",), "bf16": ("BF16",), "int8": ("INT8", "FP16"),
           "fp8": ("FP8", "FP16")}
+# The float precisions `specedge export` writes graphs in (models.<role>.precision).
+EXPORT_FLOAT_PRECISIONS = ("fp32", "fp16")
 
 
-def builder_flags(precision: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(trt.BuilderFlag names to set, names to clear) for an engine precision.
+def strongly_typed(tensorrt_version: str) -> bool:
+    """Whether `specedge build` makes a strongly typed network on this TensorRT.
 
-    fp32 clears TF32 (on by default), so an fp32 engine does fp32 matmuls like the ONNX graph.
-    fp16 / bf16 ask TensorRT to honour the fp32 pins on normalisation and softmax layers
-    (PREFER, not OBEY: a pin TensorRT cannot honour is a warning, not a failed build).
+    TensorRT 11 builds strongly typed networks only: the graph's tensor types set each layer's
+    precision, and BuilderFlag FP16 / BF16 / INT8 / FP8 / PREFER_PRECISION_CONSTRAINTS,
+    `ILayer.precision` and `ILayer.set_output_type` are gone (deprecated in 10.12; absent from
+    the 11.0 bindings, NVIDIA/TensorRT python/src/infer/pyCore.cpp and pyGraph.cpp at tag
+    v11.0, and listed as removed in the 10.x -> 11.x Python migration guide). TensorRT 10
+    keeps the weakly typed build: precision flags and fp32 pins, which work from 10.0 on.
+    BackendUnavailableError for other versions (engine_manifest.tensorrt_major).
+    """
+    return tensorrt_major(tensorrt_version) >= 11
+
+
+def builder_flags(precision: str, strong: bool = False) -> tuple[tuple[str, ...],
+                                                                 tuple[str, ...]]:
+    """(trt.BuilderFlag names to set, names to clear) for an engine precision; `strong` for a
+    strongly typed network (`strongly_typed`).
+
+    fp32 clears TF32 (on by default, and still a flag in TensorRT 11), so an fp32 engine does
+    fp32 matmuls like the ONNX graph. Weakly typed fp16 / bf16 ask TensorRT to honour the
+    fp32 pins on normalisation and softmax layers (PREFER, not OBEY: a pin TensorRT cannot
+    honour is a warning, not a failed build). A strongly typed network takes no precision
+    flag (TensorRT 10 rejects them there, 11 has none): its graph's types decide.
     """
     check_precision(precision)
+    clear = ("TF32",) if precision == "fp32" else ()
+    if strong:
+        return (), clear
     pins = ("PREFER_PRECISION_CONSTRAINTS",) if precision in ("fp16", "bf16") else ()
-    return _FLAGS[precision] + pins, ("TF32",) if precision == "fp32" else ()
+    return _FLAGS[precision] + pins, clear
 
 
 def check_precision(precision: str) -> str:
@@ -96,6 +121,34 @@ class EnginePlan:
     num_layers: int
     capacity: tuple[int, int, int]
     profiles: list[dict]
+    graph_precision: str | None = None  # the manifest's models.<role>.precision
+
+
+def check_graph_precision(plan: EnginePlan, tensorrt_version: str) -> None:
+    """ValueError when this TensorRT cannot give the engine the precision asked.
+
+    On a strongly typed network (TensorRT 11) the graph's types are the engine's precision:
+    an fp16 engine needs a graph exported in fp16, an fp32 engine an fp32 graph. int8 / fp8
+    take theirs from the graph's Q/DQ nodes (check_graph_ops). TensorRT 10 converts with
+    flags, from any float graph.
+    """
+    if not strongly_typed(tensorrt_version) or plan.precision in ("int8", "fp8") \
+            or plan.graph_precision == plan.precision:
+        return
+    name = plan.onnx.name
+    if plan.graph_precision not in EXPORT_FLOAT_PRECISIONS:
+        raise ValueError(f"TensorRT {tensorrt_version} takes the engine's precision from the "
+                         f"graph's types, and the manifest does not say which float precision "
+                         f"{name} holds ({plan.graph_precision!r}): re-export the bundle with "
+                         "`specedge export MODEL --precision fp16` (or fp32)")
+    if plan.precision in EXPORT_FLOAT_PRECISIONS:
+        export = (f"re-export the bundle with `specedge export MODEL --precision "
+                  f"{plan.precision}` for an {plan.precision} engine")
+    else:
+        export = f"specedge export writes no {plan.precision} graphs"
+    raise ValueError(f"TensorRT {tensorrt_version} takes the engine's precision from the "
+                     f"graph's types, and {name} is {plan.graph_precision}: build with "
+                     f"--precision {plan.graph_precision}, or {export}")
 
 
 def plan_builds(bundle: Bundle, precision: str = "fp16", max_prompt: int | None = None,
@@ -129,8 +182,10 @@ def plan_builds(bundle: Bundle, precision: str = "fp16", max_prompt: int | None 
                          f"{context} or less (or a larger --max-context)")
     capacity = capacity_range(context)
     plans = []
+    entries = bundle.manifest.get("models") or {}
     for role, spec in models:
         check_graph_ops(spec.path, precision)
+        graph_precision = (entries.get(role) or {}).get("precision")
         # The draft mostly runs one token per step; the target verifies K + 1 at once.
         decode_opt = 1 if role == "draft" else None
         profiles = profile_shapes(spec, max_prompt, max_draft_tokens + 1, capacity,
@@ -138,7 +193,7 @@ def plan_builds(bundle: Bundle, precision: str = "fp16", max_prompt: int | None 
         plans.append(EnginePlan(role=role, onnx=spec.path, onnx_file_size=spec.file_size,
                                 engine=bundle.root / f"{role}.engine", precision=precision,
                                 num_layers=spec.num_layers, capacity=capacity,
-                                profiles=profiles))
+                                profiles=profiles, graph_precision=graph_precision))
     return plans
 
 

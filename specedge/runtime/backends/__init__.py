@@ -86,8 +86,10 @@ def load_backend(name: str, bundle: Bundle, role: str,
 
 
 def _device_sampler(memory):
-    """NVRTC sampling kernels on `memory`'s device, or None (sampling on the host) when
-    NVRTC cannot be loaded: the host path is the fallback, with a warning saying why."""
+    """NVRTC sampling kernels on `memory`'s device, or None (sampling on the host) when they
+    cannot be had: NVRTC missing, a compile error, or a kernel image the driver refuses
+    (DeviceSampler raises BackendUnavailableError for each). The model still runs on the
+    GPU either way; the host path only copies the logits back, and the warning says why."""
     from specedge.runtime.backends.device_sampling import DeviceSampler
 
     try:

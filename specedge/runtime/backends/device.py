@@ -18,7 +18,13 @@ import time
 
 import numpy as np
 
-from specedge.runtime.backends.device_kv_cache import DeviceKVCache, kv_region
+from specedge.runtime.backends.device_kv_cache import (
+    INPUT_NAMES,
+    DeviceKVCache,
+    aligned_host_buffer,
+    input_slots,
+    kv_region,
+)
 from specedge.runtime.backends.engines import TensorBinding
 from specedge.runtime.bundle import ModelSpec, graph_io
 
@@ -32,12 +38,8 @@ def binding_plan(spec: ModelSpec, cache: DeviceKVCache, t: int,
                          f"{cache.max_tokens} tokens / {cache.max_keep} logits")
     inputs, outputs = graph_io(spec.num_layers)
     kv_dtype = np.dtype(spec.dtype).type
-    base = cache.address("inputs")
-    mt = cache.max_tokens
-    plan = [TensorBinding("input_ids", base, (1, t), np.int64, False),
-            TensorBinding("position_ids", base + 8 * mt, (1, t), np.int64, False),
-            TensorBinding("past_length", base + 8 * 2 * mt, (1,), np.int64, False),
-            TensorBinding("logits_to_keep", base + 8 * (2 * mt + 1), (1,), np.int64, False)]
+    plan = [TensorBinding(name, cache.input_address(name), shape, np.int64, False)
+            for name, shape in zip(INPUT_NAMES, [(1, t), (1, t), (1,), (1,)])]
     full = (1, spec.num_kv_heads, cache.capacity, spec.head_dim)
     for j, name in enumerate(inputs[4:]):
         plan.append(TensorBinding(name, cache.address(kv_region(j)), full, kv_dtype, False))
@@ -60,8 +62,8 @@ class DeviceBackend:
         self.run_seconds = 0.0
         self._cache: DeviceKVCache | None = None
         self._plans: dict[tuple[int, int], list[TensorBinding]] = {}
-        self._host_values: dict[str, np.ndarray] = {}
-        self._staging = np.zeros(2 * engine.max_tokens + 2, np.int64)
+        self._staging = np.zeros(0, np.uint8)     # the arena's `inputs` region, on the host
+        self._inputs: dict[str, np.ndarray] = {}  # int64 views of its slots, by input name
         self._logits = np.zeros((engine.max_keep, spec.vocab_size), np.float32)
 
     def new_cache(self, capacity: int) -> DeviceKVCache:
@@ -95,10 +97,13 @@ class DeviceBackend:
         if self._cache is not cache:
             self._cache, self._plans = cache, {}
             self.engine.forget()
-            # Views of the staged scalars, which TensorRT reads from the host (shape tensors).
-            mt = cache.max_tokens
-            self._host_values = {"past_length": self._staging[2 * mt:2 * mt + 1],
-                                 "logits_to_keep": self._staging[2 * mt + 1:2 * mt + 2]}
+            # The inputs are staged on the host in the arena's slot layout: one upload a step,
+            # and the engine reads shape-tensor inputs (logits_to_keep) from these aligned
+            # host slots (TensorRT takes a shape tensor's value from host memory).
+            slots = input_slots(cache.max_tokens)
+            self._staging = aligned_host_buffer(slots["total"].nbytes)
+            self._inputs = {name: self._staging[r.offset:r.offset + r.nbytes].view(np.int64)
+                            for name, r in slots.items() if name in INPUT_NAMES}
         step = cache.max_tokens
         # Only the last chunk's logits are kept; it holds at least logits_to_keep tokens.
         last = max(0, t - max(logits_to_keep, (t - 1) % step + 1))
@@ -108,18 +113,17 @@ class DeviceBackend:
         return cache.address("logits")
 
     def _step(self, cache: DeviceKVCache, ids: np.ndarray, n: int) -> None:
-        t, mt = ids.size, cache.max_tokens
-        s = self._staging
-        s[:t] = ids
-        s[mt:mt + t] = np.arange(cache.length, cache.length + t)
-        s[2 * mt:2 * mt + 2] = cache.length, n
-        self.memory.upload(cache.address("inputs"), s[:2 * mt + 2])
+        t, v = ids.size, self._inputs
+        v["input_ids"][:t] = ids
+        v["position_ids"][:t] = np.arange(cache.length, cache.length + t)
+        v["past_length"][0], v["logits_to_keep"][0] = cache.length, n
+        self.memory.upload(cache.address("inputs"), self._staging)
         key = (t, n)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = binding_plan(self.spec, cache, t, n)
         t0 = time.perf_counter()
-        self.engine.execute((id(cache), t, n), plan, self._host_values)
+        self.engine.execute((id(cache), t, n), plan, self._inputs)
         self.memory.synchronize()
         self.run_seconds += time.perf_counter() - t0
         cache.write(t)

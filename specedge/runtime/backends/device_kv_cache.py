@@ -9,7 +9,9 @@ never copied as a whole. Rollback is `length = n`: the graph masks rows >= past_
 
 Everything a step binds lives in the same arena (its int64 inputs, presents, logits),
 sized once for `max_tokens` per call, so addresses never change within a generation and
-a TensorRT context or CUDA graph bound to them stays valid.
+a TensorRT context or CUDA graph bound to them stays valid. Every tensor an engine binds
+starts on a multiple of ALIGNMENT: TensorRT 10's `setTensorAddress` requires 256-byte
+alignment (NvInferRuntime.h), for host and device pointers alike.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def arena_layout(spec: ModelSpec, capacity: int, max_tokens: int,
     """Byte regions of one arena, each aligned to ALIGNMENT.
 
     keys.{i} / values.{i}: [kv_heads, capacity, head_dim]   the cache
-    inputs:   int64 [2 * max_tokens + 2]   input_ids, position_ids (max_tokens apart),
-                                           past_length, logits_to_keep: one upload a step
-    presents: [2 * layers, kv_heads, max_tokens, head_dim]  new rows of one call
+    inputs:   the int64 inputs in aligned slots (`input_slots`): one upload a step
+    presents: 2 * layers x [kv_heads, max_tokens, head_dim], each padded to ALIGNMENT:
+              the new rows of one call
     logits:   float32 [max_keep, vocab]
     probs:    float32 [max_keep, vocab]                     processed rows (device sampling)
     """
@@ -48,10 +50,27 @@ def arena_layout(spec: ModelSpec, capacity: int, max_tokens: int,
     sizes: list[tuple[str, int]] = []
     for i in range(spec.num_layers):
         sizes += [(f"keys.{i}", head * capacity), (f"values.{i}", head * capacity)]
-    sizes += [("inputs", (2 * max_tokens + 2) * 8),
+    sizes += [("inputs", input_slots(max_tokens)["total"].nbytes),
               ("presents", 2 * spec.num_layers * present_stride(spec, max_tokens)),
               ("logits", max_keep * spec.vocab_size * 4),
               ("probs", max_keep * spec.vocab_size * 4)]
+    return _aligned_regions(sizes)
+
+
+INPUT_NAMES = ("input_ids", "position_ids", "past_length", "logits_to_keep")
+
+
+def input_slots(max_tokens: int) -> dict[str, Region]:
+    """Byte regions of the int64 graph inputs inside the arena's `inputs` region, each
+    aligned to ALIGNMENT: input_ids and position_ids hold max_tokens values, past_length
+    and logits_to_keep one. The host staging buffer (`aligned_host_buffer`) has the same
+    layout, so one copy moves them all and every slot is aligned on both sides."""
+    tokens = 8 * max_tokens
+    return _aligned_regions([("input_ids", tokens), ("position_ids", tokens),
+                             ("past_length", 8), ("logits_to_keep", 8)])
+
+
+def _aligned_regions(sizes: list[tuple[str, int]]) -> dict[str, Region]:
     layout, offset = {}, 0
     for name, nbytes in sizes:
         layout[name] = Region(offset, nbytes)
@@ -60,14 +79,25 @@ def arena_layout(spec: ModelSpec, capacity: int, max_tokens: int,
     return layout
 
 
+def aligned_host_buffer(nbytes: int) -> np.ndarray:
+    """Zeroed host bytes starting on a multiple of ALIGNMENT (numpy only promises 16 or 64):
+    TensorRT reads shape-tensor inputs such as `logits_to_keep` from host memory, at an
+    address that must be aligned like any other tensor's."""
+    raw = np.zeros(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes]  # a view: it keeps `raw` alive
+
+
 def kv_region(j: int) -> str:
     """Arena region of cache tensor j in graph order: K of layer j // 2 (even j), else V."""
     return f"{'keys' if j % 2 == 0 else 'values'}.{j // 2}"
 
 
 def present_stride(spec: ModelSpec, max_tokens: int) -> int:
-    """Bytes between presents j and j + 1: each is packed [kv_heads, T <= max_tokens, dim]."""
-    return spec.num_kv_heads * max_tokens * spec.head_dim * np.dtype(spec.dtype).itemsize
+    """Bytes between presents j and j + 1: each is packed [kv_heads, T <= max_tokens, dim],
+    and starts on a multiple of ALIGNMENT (an engine binds each)."""
+    nbytes = spec.num_kv_heads * max_tokens * spec.head_dim * np.dtype(spec.dtype).itemsize
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 def row_copies(spec: ModelSpec, layout: dict[str, Region], capacity: int, max_tokens: int,
@@ -101,6 +131,10 @@ class DeviceKVCache:
 
     def address(self, name: str) -> int:
         return self.base + self.layout[name].offset
+
+    def input_address(self, name: str) -> int:
+        """Device address of one int64 graph input (INPUT_NAMES) in the `inputs` region."""
+        return self.address("inputs") + input_slots(self.max_tokens)[name].offset
 
     def present_address(self, j: int) -> int:
         return self.address("presents") + j * present_stride(self.spec, self.max_tokens)

@@ -11,6 +11,11 @@ the driver API (``cuda.bindings.driver``) loads it and launches on the stream of
 memory object (``runtime/backends/memory.py``: ``name``, ``stream``, ``alloc``, ``free``,
 ``upload``, ``download``, ``synchronize``).
 
+The compiled image is cached on disk (``kernel_image``): a cubin compile takes 1.5-2.5 s
+on a server core (NVRTC 13.5, x86) and a Jetson's cores are slower, every time a backend is
+loaded; the image depends only on the source, the target architecture and the NVRTC version,
+which together name the cache entry.
+
 Random numbers come from the decode loop's ``numpy.random.Generator`` on the host and are
 uploaded as float64 (53 random bits, as ``rng.random()``; a float32 uniform would resolve
 token probabilities only down to 2^-24). :meth:`DeviceSampler.verify_sampled` draws a fixed
@@ -21,26 +26,32 @@ reproduce the host path token for token.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import os
 import re
+import warnings
 from collections.abc import Sequence
 from importlib import resources
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
+from specedge.runtime.backends.gpu_info import cuda_version, install_hint
 from specedge.runtime.backends.memory import cuda_check
 from specedge.runtime.errors import BackendUnavailableError
+from specedge.runtime.files import atomic_write
 from specedge.runtime.sampling import process_logits
 from specedge.runtime.speculative import verify_greedy
 
 __all__ = ["KERNELS", "DeviceSampler", "HostSampler", "compile_sampling_kernels",
-           "kernel_source"]
+           "kernel_cache_dir", "kernel_image", "kernel_source"]
 
 KERNELS = ("process_rows", "argmax_verify", "sample_rows", "sampled_verify")
 THREADS = 1024  # block size of every launch; SPECEDGE_THREADS (launch bounds) in the .cu
 CHECK_ARCH = "compute_90"  # PTX target of a GPU-free compile check
-INSTALL_HINT = "pip install 'specedge[cuda]'"
+CACHE_MAGIC = b"specedge-kernel sha256="  # a cache entry: this, the image's digest, newline
 
 
 def kernel_source() -> str:
@@ -72,7 +83,7 @@ def _compile(source: str, arch: str, name: str = "sampling.cu") -> bytes:
     prog = cuda_check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
                       "nvrtcCreateProgram")
     try:
-        options = [f"--gpu-architecture={arch}".encode()]
+        options = _options(arch)
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             size = cuda_check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
@@ -92,6 +103,63 @@ def _compile(source: str, arch: str, name: str = "sampling.cu") -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def _options(arch: str) -> list[bytes]:
+    return [f"--gpu-architecture={arch}".encode()]
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are kept: $SPECEDGE_CACHE/kernels, or ~/.cache/specedge/kernels
+    (the cache folder that `specedge export` uses too)."""
+    root = os.environ.get("SPECEDGE_CACHE") or Path.home() / ".cache" / "specedge"
+    return Path(root) / "kernels"
+
+
+def kernel_image(arch: str, cache_dir: Path | None = None) -> bytes:
+    """``compile_sampling_kernels(arch)``, compiled once per source, architecture and NVRTC
+    version and then read from ``cache_dir`` (default :func:`kernel_cache_dir`).
+
+    An entry carries the SHA-256 of its image, and one that does not match (a torn or
+    corrupted file) is compiled again and replaced: a damaged image must never reach the
+    driver. A cache that cannot be written costs a warning and the compile, nothing else.
+    """
+    source = kernel_source()
+    nvrtc = _import_cuda("nvrtc")
+    major, minor = cuda_check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    key = hashlib.sha256(b"\0".join([source.encode(), *_options(arch)])).hexdigest()[:16]
+    kind = "cubin" if arch.startswith("sm_") else "ptx"
+    name = f"sampling-{arch}-nvrtc{major}.{minor}-{key}.{kind}"
+    path = Path(cache_dir or kernel_cache_dir()) / name
+    image = _read_entry(path)
+    if image is None:
+        image = _compile(source, arch)
+        _write_entry(path, image)
+    return image
+
+
+def _read_entry(path: Path) -> bytes | None:
+    """The image in a cache entry, or None when it is missing or does not match its digest."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head, _, image = data.partition(b"\n")
+    if head != CACHE_MAGIC + hashlib.sha256(image).hexdigest().encode():
+        return None
+    return image
+
+
+def _write_entry(path: Path, image: bytes) -> None:
+    """Write a cache entry atomically (runtime/files.py), so that a reader (another process
+    loading the kernels) never sees half a file."""
+    try:
+        atomic_write(path, CACHE_MAGIC + hashlib.sha256(image).hexdigest().encode() + b"\n"
+                     + image)
+    except OSError as e:
+        warnings.warn(f"could not cache the compiled sampling kernels in {path.parent} ({e}); "
+                      "they are compiled again on every load (set SPECEDGE_CACHE to a "
+                      "writable folder)", stacklevel=3)
+
+
 def _import_cuda(name: str) -> ModuleType:
     """``cuda.bindings.<name>``, or a BackendUnavailableError that says what to install.
 
@@ -106,7 +174,7 @@ def _import_cuda(name: str) -> ModuleType:
     except (ImportError, RuntimeError) as e:  # the library loader raises a RuntimeError
         raise BackendUnavailableError(
             f"on-device sampling needs cuda-python's {name} bindings and NVIDIA's NVRTC "
-            f"library ({e}); install them with: {INSTALL_HINT}") from e
+            f"library ({e}); install them with: {install_hint()}") from e
     return module
 
 
@@ -128,6 +196,48 @@ def _pick_arch(major: int, minor: int, supported: Sequence[int]) -> str:
             f"this GPU (compute capability {major}.{minor}) is older than anything the "
             f"installed NVRTC can compile for (sm_{min(supported)} and up)")
     return f"compute_{max(older)}"
+
+
+def _load_kernels(driver, nvrtc, arch: str) -> tuple[object, dict]:
+    """Compile the kernels for ``arch`` (or read them from the cache) and load them into the
+    current context: ``(module, {kernel name: function})``.
+
+    A compile error, or an image the driver refuses, is a BackendUnavailableError, on which
+    the backend samples on the host (``backends._device_sampler``): the kernels save copies,
+    the model still runs on the GPU. The driver refuses PTX of a newer ISA than it knows
+    (CUDA_ERROR_UNSUPPORTED_PTX_VERSION, an NVRTC newer than the driver) and an image for
+    another GPU (CUDA_ERROR_NO_BINARY_FOR_GPU).
+    """
+    try:
+        image = kernel_image(arch)
+    except RuntimeError as e:  # NVRTC's error, with its log
+        raise BackendUnavailableError(f"the sampling kernels do not compile: {e}") from e
+    try:
+        module = cuda_check(driver.cuModuleLoadData(image), "cuModuleLoadData")
+    except RuntimeError as e:
+        raise BackendUnavailableError(_refused(driver, nvrtc, arch, e)) from e
+    try:
+        return module, {name: cuda_check(driver.cuModuleGetFunction(module, name.encode()),
+                                         f"cuModuleGetFunction({name})") for name in KERNELS}
+    except RuntimeError as e:
+        driver.cuModuleUnload(module)
+        raise BackendUnavailableError(f"the sampling kernels are incomplete: {e}") from e
+
+
+def _refused(driver, nvrtc, arch: str, error: Exception) -> str:
+    """Why the driver refused the kernel image: which NVRTC made it, which CUDA the driver
+    supports, and for PTX the fix (PTX is JIT-compiled by the driver, which must be at least
+    as new as the NVRTC that wrote it; a cubin needs only the same CUDA major version)."""
+    nv = cuda_check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    err, drv = driver.cuDriverGetVersion()
+    drv_text = f"CUDA {cuda_version(int(drv))}" if int(err) == 0 else "an unknown CUDA version"
+    kind = "cubin" if arch.startswith("sm_") else "PTX"
+    text = (f"the driver refused the sampling kernels ({kind} for {arch} from NVRTC "
+            f"{nv[0]}.{nv[1]}; the driver supports {drv_text}): {error}")
+    if kind == "PTX":
+        text += ("; PTX needs a driver at least as new as NVRTC: install the NVRTC wheel of "
+                 "the driver's CUDA version, or update the driver")
+    return text
 
 
 class DeviceSampler:
@@ -161,13 +271,7 @@ class DeviceSampler:
         nvrtc = _import_cuda("nvrtc")
         supported = cuda_check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
         self.arch = _pick_arch(major, minor, supported)
-        image = compile_sampling_kernels(self.arch)
-        self._module = cuda_check(driver.cuModuleLoadData(image), "cuModuleLoadData")
-        self._functions = {
-            name: cuda_check(driver.cuModuleGetFunction(self._module, name.encode()),
-                             f"cuModuleGetFunction({name})")
-            for name in KERNELS
-        }
+        self._module, self._functions = _load_kernels(driver, nvrtc, self.arch)
         self._stream = driver.CUstream(int(memory.stream))
         # Host staging arrays live as long as the sampler: an upload is asynchronous and
         # its source must outlive it (every method ends with a download, which waits).

@@ -26,14 +26,20 @@ from typing import Any
 
 from specedge.runtime.backends.gpu_info import gpu_identity
 from specedge.runtime.bundle import MANIFEST, Bundle, ModelSpec, graph_io
-from specedge.runtime.errors import BundleError
+from specedge.runtime.errors import BackendUnavailableError, BundleError
 from specedge.runtime.kv_cache import CAPACITY_STEP
 
 __all__ = ["ENGINE_PRECISIONS", "EngineSpec", "ProfileSpec", "capacity_range",
            "check_engine_compatible", "engine_entry", "engine_record", "gpu_identity",
-           "profile_for", "profile_shapes", "profile_summary"]
+           "profile_for", "profile_shapes", "profile_summary", "SUPPORTED_TENSORRT",
+           "tensorrt_major"]
 
 ENGINE_PRECISIONS = ("fp16", "bf16", "fp32", "fp8", "int8")
+# The TensorRT major versions whose Python API the build and the runtime are written for:
+# 10 builds weakly typed networks with precision flags, 11 strongly typed ones only. JetPack
+# 6.1 and 6.2 ship TensorRT 10.3 (TensorRT 11's migration guide lists JetPack as unsupported);
+# `pip install tensorrt` resolves to 11.x elsewhere.
+SUPPORTED_TENSORRT = (10, 11)
 PROFILE_NAMES = ("prefill", "decode")
 # TensorRT tunes kernels for the `opt` shape. A chat prompt is rarely longer than this, and a
 # generation's cache (prompt + new tokens, rounded to CAPACITY_STEP) is rarely larger.
@@ -41,6 +47,20 @@ PREFILL_OPT_TOKENS = 256
 CAPACITY_OPT = 1024
 
 Range = tuple[int, int, int]
+
+
+def tensorrt_major(version: object) -> int:
+    """The major version of TensorRT `version` (trt.__version__, e.g. "10.3.0.30");
+    BackendUnavailableError saying what to install when it is not one of SUPPORTED_TENSORRT."""
+    head = str(version).split(".", 1)[0]
+    major = int(head) if head.isdigit() else None
+    if major not in SUPPORTED_TENSORRT:
+        supported = " and ".join(f"{m}.x" for m in SUPPORTED_TENSORRT)
+        raise BackendUnavailableError(
+            f"TensorRT {version} is not supported: specedge supports TensorRT {supported}; "
+            f"pip install 'tensorrt>={SUPPORTED_TENSORRT[0]},<{SUPPORTED_TENSORRT[-1] + 1}' "
+            "(on Jetson, JetPack 6.1 or later, which ships TensorRT 10.3)")
+    return major
 
 
 def _is_int(value: Any) -> bool:

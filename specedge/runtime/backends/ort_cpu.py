@@ -16,6 +16,10 @@ MAX_KEPT_T = 16
 # The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
 # graphs feed it (microsoft/onnxruntime#23944); tested with 1.31.
 MIN_ORT_FUSED = (1, 22)
+# ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 on Ampere and newer by default
+# (use_tf32=1): 10 mantissa bits, enough to flip greedy near-ties, where an fp32 bundle
+# promises plain decoding's tokens.
+PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 
 
 
@@ -170,7 +174,8 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str):
     # 0.86x once pools stop spinning at the end of a run (they still spin inside it).
     options.add_session_config_entry("session.force_spinning_stop", "1")
     try:
-        session = ort.InferenceSession(str(spec.path), options, providers=[provider])
+        session = ort.InferenceSession(str(spec.path), options,
+                                       providers=[(provider, PROVIDER_OPTIONS.get(provider, {}))])
     except Exception as e:  # ORT raises several types for unreadable graphs
         raise BundleError(f"ONNX Runtime could not load {spec.path}: {e}; the file is "
                           "corrupt or not an ONNX graph: re-export the bundle") from e

@@ -50,6 +50,6 @@ def replacing(path: str | Path, folder: bool = False) -> Iterator[Path]:
 
 
 def atomic_write(path: str | Path, data: bytes | bytearray | memoryview | str) -> None:
-    """Write `data` (text as UTF-8) to `path` atomically."""
+    """Write `data` (text as UTF-8) to `path` atomically, creating its folder."""
     with replacing(path) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
