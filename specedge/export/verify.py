@@ -76,9 +76,7 @@ def verify_feature_draft(draft: FeatureDraft, onnx_path: Path, prompt_ids: list[
                                                       ).max()))
     got = np.concatenate(got)
     max_diff = max(float(np.abs(got - ref).max()), feature_diff)
-    matches = int((got[n:].argmax(-1) == ref[n:].argmax(-1)).sum())
-    return {"max_abs_logit_diff": max_diff, "atol": atol, "greedy_steps": steps,
-            "greedy_matches": matches, "ok": bool(max_diff <= atol and matches == steps)}
+    return _report(max_diff, atol, list(ref[n:].argmax(-1)), list(got[n:].argmax(-1)))
 
 
 def _target_features(model: nn.Module, ids: list[int], reader) -> torch.Tensor:
@@ -95,14 +93,18 @@ def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps
                  atol: float = DEFAULT_ATOL, features: bool | nn.Module = False) -> dict:
     """Compare graph and model; returns a report dict with `ok`. `features`: the graph's
     feature output too, as export_onnx was given it (True, or the feature draft)."""
-    backend = graph_backend(onnx_path, model_dims(model))
+    dims = model_dims(model)
+    backend = graph_backend(onnx_path, dims)
+    # A model with a short context: the prompt and the steps stay within it.
+    prompt_ids = list(prompt_ids)[:max(1, dims["max_context"] - steps)]
+    steps = min(steps, dims["max_context"] - len(prompt_ids))
     cache = backend.new_cache(len(prompt_ids) + steps)
 
     # A distilled draft only scores its head tokens (the graph gives the rest -inf).
     head = getattr(model, "specedge_head_ids", None)
     cols = slice(None) if head is None else head.numpy()
     with torch.no_grad():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        out = model(torch.tensor([prompt_ids], dtype=torch.long), use_cache=True)
     ref = out.logits[0].numpy()[:, cols]
     got = backend.forward(cache, prompt_ids, len(prompt_ids))[:, cols]
     max_diff = float(np.abs(got - ref).max())
@@ -125,7 +127,29 @@ def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps
         got = backend.forward(cache, [ref_next], 1)[-1][cols]
         max_diff = max(max_diff, float(np.abs(got - ref_logits).max()))
         ref_next, graph_next = vocab_id(np.argmax(ref_logits)), vocab_id(np.argmax(got))
-    matches = sum(a == b for a, b in zip(ref_tokens, graph_tokens))
+    return _report(max_diff, atol, ref_tokens, graph_tokens)
+
+
+def _report(max_diff: float, atol: float, ref_tokens: list[int],
+            graph_tokens: list[int]) -> dict:
+    """The verify report of one graph. `first_greedy_mismatch`: the 0-based step where the
+    graph's greedy token first differs from the reference's, or None."""
+    same = [int(a) == int(b) for a, b in zip(ref_tokens, graph_tokens)]
+    steps, matches = len(same), sum(same)
     return {"max_abs_logit_diff": max_diff, "atol": atol, "greedy_steps": steps,
             "greedy_matches": matches,
+            "first_greedy_mismatch": same.index(False) if matches < steps else None,
             "ok": bool(max_diff <= atol and matches == steps)}
+
+
+def verify_failure(role: str, report: dict) -> str:
+    """A failed report in words: the largest logit difference and where greedy tokens part."""
+    diff, atol = report["max_abs_logit_diff"], report["atol"]
+    steps, first = report["greedy_steps"], report.get("first_greedy_mismatch")
+    said = (f"--verify failed for the {role} graph: its logits differ from transformers' by "
+            f"up to {diff:.3g}")
+    said += f" (more than the allowed {atol:g})" if diff > atol else f" (within {atol:g})"
+    if first is None:
+        return said + f", though all {steps} greedy tokens match."
+    return (said + f", and its greedy tokens part from transformers' at step {first + 1} of "
+            f"{steps} ({report['greedy_matches']} of {steps} match).")

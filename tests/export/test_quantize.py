@@ -15,7 +15,12 @@ import pytest
 from scipy.special import log_softmax
 
 from specedge.export.bundle_writer import VERIFY_PROMPT, export_bundle
-from specedge.export.quantize import PERPLEXITY_TEXT, quantization_report
+from specedge.export.quantize import (
+    PERPLEXITY_CHUNK,
+    PERPLEXITY_TEXT,
+    chunked_perplexity,
+    quantization_report,
+)
 from specedge.runtime import Generator
 
 
@@ -94,10 +99,14 @@ class _Graph:
         return logits[0]
 
 
-def _perplexity(path, ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of ids[1:], from one call on all of `ids`."""
-    logits = _Graph(path, len(ids))(ids, len(ids)).astype(np.float64)
-    nll = -log_softmax(logits[:-1], axis=-1)[np.arange(len(ids) - 1), ids[1:]]
+def _perplexity(path, ids: list[int], chunk: int = PERPLEXITY_CHUNK) -> float:
+    """exp of the mean negative log-likelihood of ids[1:], from calls of `chunk` tokens
+    through the KV cache (the report's definition: its memory is one chunk's logits)."""
+    graph, rows = _Graph(path, len(ids)), []
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start:min(start + chunk, len(ids) - 1)]
+        rows.append(graph(piece, len(piece)).astype(np.float64))
+    nll = -log_softmax(np.concatenate(rows), axis=-1)[np.arange(len(ids) - 1), ids[1:]]
     return float(np.exp(nll.mean()))
 
 
@@ -160,7 +169,8 @@ def report_inputs(tiny_checkpoints) -> tuple[list[int], list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["llama"])
-    return tokenizer(VERIFY_PROMPT)["input_ids"], tokenizer(PERPLEXITY_TEXT)["input_ids"]
+    # the report cuts the text to the model's context (512 positions)
+    return tokenizer(VERIFY_PROMPT)["input_ids"], tokenizer(PERPLEXITY_TEXT)["input_ids"][:512]
 
 
 def test_report_is_what_the_graphs_compute(quantized, tiny_bundle, report_inputs):
@@ -346,3 +356,52 @@ def test_int8_embedding_rows_are_within_half_a_step(tmp_path):
     assert (error <= step / 2 + 1e-7).all()
     assert (y[0, 7] == 0).all()
     assert error.max() > 0  # quantized, not passed through
+
+
+def test_int8_export_of_a_short_context_model(tmp_path):
+    """GPT-2 with 256 positions: the report's text (561 characters, one id each) is cut to
+    the context, where ONNX Runtime's position Gather would otherwise index past its table
+    ("indices element out of data bounds")."""
+    from tiny_models import char_tokenizer, tiny_model
+
+    model = tiny_model("gpt2", max_positions=256)
+    model.save_pretrained(tmp_path / "gpt2")
+    char_tokenizer().save_pretrained(tmp_path / "gpt2")
+    manifest = export_bundle(str(tmp_path / "gpt2"), tmp_path / "b", precision="int8")
+    report = manifest["quantization"]
+    assert manifest["models"]["target"]["max_context"] == 256
+    assert report["greedy_steps"] == 64 and 0 <= report["greedy_agreement"] <= 1
+    assert 1 < report["perplexity_fp32"] < 1e3 and abs(report["perplexity_change"]) < 0.5
+
+
+class _Recording:
+    """A backend that records how many logit rows each call asks for."""
+
+    def __init__(self, backend):
+        self.backend, self.kept = backend, []
+
+    def new_cache(self, capacity):
+        return self.backend.new_cache(capacity)
+
+    def forward(self, cache, ids, keep):
+        self.kept.append(keep)
+        return self.backend.forward(cache, ids, keep)
+
+
+def test_perplexity_runs_in_chunks(tiny_bundle, report_inputs):
+    """The report's perplexity asks for at most PERPLEXITY_CHUNK logit rows a call (its
+    memory is one chunk's logits, whatever the text's length), covers every position, and
+    on an fp32 graph equals the perplexity from one call over the whole text."""
+    from specedge.export.verify import graph_backend
+    from specedge.runtime.bundle import load_bundle
+
+    _, text = report_inputs
+    spec = load_bundle(tiny_bundle).target
+    dims = {k: getattr(spec, k) for k in ("num_layers", "num_kv_heads", "head_dim",
+                                          "vocab_size", "max_context")}
+    backend = _Recording(graph_backend(spec.path, dims))
+    chunked = chunked_perplexity(backend, text)
+    assert max(backend.kept) == PERPLEXITY_CHUNK and sum(backend.kept) == len(text) - 1
+    assert chunked == pytest.approx(_perplexity(spec.path, text, chunk=len(text)), rel=1e-5)
+    assert chunked_perplexity(backend, text[:5]) == pytest.approx(
+        _perplexity(spec.path, text[:5], chunk=len(text)), rel=1e-5)

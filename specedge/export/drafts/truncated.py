@@ -64,16 +64,60 @@ def copy_layer(mine: nn.Module, theirs: nn.Module) -> None:
     mine.load_state_dict(state)
 
 
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_size(tokenizer) -> int:
+    """1 + the largest id the tokenizer gives a token (added tokens included): the ids a text
+    can hold. An embedding may have more rows (checkpoints pad it, e.g. Qwen2.5's sizes to
+    multiples of 64 or 128, each size its own way); those rows are no token."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
 def check_same_vocabulary(target_config, target_tok, draft_config, draft_tok) -> None:
-    """Refuse a draft whose token ids do not mean the same as the target's."""
-    if draft_config.vocab_size != target_config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft_config.vocab_size} tokens) differs "
-                         f"from the target's ({target_config.vocab_size}): speculative "
-                         "decoding needs a draft with the target's tokenizer")
-    if draft_tok.get_vocab() != target_tok.get_vocab():
+    """Refuse a draft whose token ids do not mean the same as the target's.
+
+    Decided by the tokenizers: every token of the target's has the same id in the draft's,
+    the draft's has no other token among those ids, and bos, eos and pad are the same ids.
+    The embedding sizes (`vocab_size`) may differ: only the tokenizer's ids must fit both
+    (`fit_draft_vocabulary` then gives the draft the target's size)."""
+    tokens = tokenizer_size(target_tok)
+    target_vocab = target_tok.get_vocab()
+    draft_vocab = {t: i for t, i in draft_tok.get_vocab().items() if i < tokens}
+    if draft_vocab != target_vocab:
+        differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()),
+                        key=lambda item: item[1])[:3]
         raise ValueError("the draft's tokenizer maps tokens to different ids than the "
-                         "target's: speculative decoding needs a draft with the target's "
-                         "tokenizer")
+                         f"target's (for example {', '.join(f'{t!r} -> {i}' for t, i in differ)}"
+                         "): speculative decoding needs a draft with the target's tokenizer")
+    for name in SPECIAL_TOKENS:
+        mine, theirs = getattr(draft_tok, name, None), getattr(target_tok, name, None)
+        if mine != theirs:
+            raise ValueError(f"the draft's tokenizer has {name} {mine} where the target's has "
+                             f"{theirs}: speculative decoding needs a draft with the "
+                             "target's tokenizer and its special tokens")
+    for role, config in (("target", target_config), ("draft", draft_config)):
+        if config.vocab_size < tokens:
+            raise ValueError(f"the {role}'s embedding has {config.vocab_size} rows but its "
+                             f"tokenizer uses ids up to {tokens - 1}: the checkpoint is "
+                             "inconsistent; give a checkpoint whose tokenizer fits its model")
+
+
+def fit_draft_vocabulary(draft: nn.Module, vocab_size: int, tokens: int) -> None:
+    """Give a checkpoint draft the target's embedding size `vocab_size`, and let its graph
+    score only the tokenizer's `tokens` ids, in place.
+
+    The bundle's graphs must output the same number of logits (the runtime compares the
+    target's and the draft's rows column by column), so the draft's embedding and head are
+    cut (or padded) to the target's size; the rows cut are beyond the tokenizer
+    (`check_same_vocabulary`), so no token is lost. Rows beyond the tokenizer, the draft's
+    own padding or rows added here, are no token: they are masked, not cut, through the
+    head-token mechanism of distilled drafts (export/graph/outputs.py), so their logits are
+    -inf, their probability 0, and the draft never proposes such an id."""
+    if draft.config.vocab_size != vocab_size:
+        draft.resize_token_embeddings(vocab_size, mean_resizing=False)
+    if tokens < vocab_size:
+        attach_head(draft, torch.arange(tokens))
 
 
 def make_draft(target, layers: int, mlp_width: int | None = None):

@@ -29,14 +29,26 @@ from specedge.export.graph.rotary import rotary_tables, rotate
 
 
 def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,
-                   t: int | torch.Tensor, groups: int,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                   t: int | torch.Tensor, groups: int, dtype: torch.dtype,
+                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive masks, built once per call and shared by every layer: [C] for the cache
-    (rows >= past_length are empty) and [G*T, T] causal for the new rows (queries grouped)."""
+    (rows >= past_length are empty) and [G*T, T] causal for the new rows (queries grouped).
+
+    `window`: sliding-window attention, each query attends to the last `window` positions,
+    itself included (transformers' `kv_idx > q_idx - window`). The cache mask then depends
+    on the query and is [G*T, C]. The cache keeps every row, so a rollback stays a change
+    of length."""
     neg = torch.finfo(dtype).min
-    past_valid = torch.arange(capacity) < past_length
+    rows = torch.arange(capacity)
+    past_valid = rows < past_length
     causal = torch.ones(t, t, dtype=torch.bool).tril()
-    return (torch.where(past_valid, 0.0, neg).to(dtype),
+    if window is None:
+        return (torch.where(past_valid, 0.0, neg).to(dtype),
+                torch.where(causal, 0.0, neg).to(dtype).repeat(groups, 1))
+    query = torch.arange(t).unsqueeze(1)  # [T, 1], at position past_length + query
+    past_valid = past_valid & (rows > past_length + query - window)
+    causal = causal & (torch.arange(t) > query - window)
+    return (torch.where(past_valid, 0.0, neg).to(dtype).repeat(groups, 1),
             torch.where(causal, 0.0, neg).to(dtype).repeat(groups, 1))
 
 
@@ -52,7 +64,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     recomputed in every layer, a few microseconds of ONNX Runtime overhead per node.
     """
     heads, kv_heads, d = shape
-    capacity = bias[0].shape[0]
+    capacity = bias[0].shape[-1]
     # Query head h reads KV head h // groups (HF repeat_kv order), so grouping the queries
     # is a free reshape, while repeating K/V would copy the cache.
     qg = q.reshape(1, kv_heads, -1, d)
@@ -68,7 +80,8 @@ class GroupQueryAttention(torch.autograd.Function):
 
     Inputs: q|k|v from one projection [1, T, (H + 2 Hkv) D], unscaled and unrotated; the
     cache buffers [1, Hkv, C, D]; seqlens_k [1] = past_length + T - 1 and total [] =
-    past_length + T (int32); the rotary tables [max_context, D/2]; position_ids [1, T].
+    past_length + T (int32); the rotary tables [R, D/2]; the rows of them to use [1, T]
+    (the positions, graph/rotary.py `gqa_positions`); `window`: the sliding window, or 0.
     Outputs: attention [1, T, H D] and the two cache buffers with the T new rotated rows
     written at [past_length, past_length + T). The runtime binds each of them to its past
     buffer, so that the kernel writes the rows in place (it compares the addresses) and
@@ -80,7 +93,7 @@ class GroupQueryAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, heads,
-                kv_heads, scale):
+                kv_heads, scale, window=0):
         t = qkv.shape[1]
         d = qkv.shape[2] // (heads + 2 * kv_heads)
         x = qkv.reshape(1, t, heads + 2 * kv_heads, d).transpose(1, 2)
@@ -89,7 +102,7 @@ class GroupQueryAttention(torch.autograd.Function):
         k, v = qk[:, heads:], x[:, heads + kv_heads:]
         past_length = int(total) - t
         bias = attention_bias(torch.tensor([past_length]), past_k.shape[2], t,
-                              heads // kv_heads, qkv.dtype)
+                              heads // kv_heads, qkv.dtype, window or None)
         out = cached_attention(qk[:, :heads] * scale, k, v, past_k, past_v, bias,
                                (heads, kv_heads, d))
         present_k, present_v = past_k.clone(), past_v.clone()
@@ -99,16 +112,21 @@ class GroupQueryAttention(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, heads,
-                 kv_heads, scale):
+                 kv_heads, scale, window=0):
         absent = g.op("prim::Constant")  # the omitted optional inputs key and value
         absent.setType(torch._C.OptionalType.ofTensor())
         out, present_k, present_v = g.op(
             "com.microsoft::GroupQueryAttention", qkv, absent, absent, past_k, past_v,
             seqlens_k, total, cos, sin, positions, outputs=3, num_heads_i=heads,
-            kv_num_heads_i=kv_heads, scale_f=scale, do_rotary_i=1)
+            kv_num_heads_i=kv_heads, scale_f=scale, do_rotary_i=1,
+            # The CPU kernel attends to the last local_window_size positions, the query's
+            # included: transformers' window (checked by tests/export/test_families_llama.py).
+            local_window_size_i=window if window else -1)
         # The exporter cannot infer a contrib operator's output shapes; without them every
         # shape after the first layer (logits, features) would be unknown in the graph.
-        width = qkv.type().varyingSizes()[2] // (heads + 2 * kv_heads) * heads
+        # The head size from the cache input, whose last axis is static (q|k|v's may not be
+        # known after a reshape).
+        width = past_k.type().varyingSizes()[3] * heads
         out.setType(qkv.type().with_sizes([1, None, width]))
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())

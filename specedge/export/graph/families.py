@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from torch import nn
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 GPT2_FAMILY = ("gpt2",)
+# graph/gemma.py: portable attention only (no soft-capping in GroupQueryAttention here).
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
+# One file each in this package (phi3.py, granite.py, olmo2.py, stablelm.py); they can
+# have fused attention too.
+MORE_FAMILIES = ("phi3", "granite", "olmo2", "stablelm")
 
 
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY + MORE_FAMILIES + GEMMA_FAMILY
 ATTENTIONS = ("auto", "fused", "portable")  # `specedge export --attention`
 
 
@@ -17,16 +22,28 @@ def fused_attention(attention: str, precision: str, config) -> bool:
     """Whether a graph gets GroupQueryAttention (KV layout "bhsd-inplace"), for a Hugging
     Face `config`. `auto` picks it where ONNX Runtime CPU is the only runtime for the graph
     anyway (int8 and int4: TensorRT cannot parse MatMulNBits) and the model can have it:
-    Llama family, head size a multiple of 16 (the CPU kernel's requirement)."""
+    Llama-like families, head size and rotary size multiples of 16 (the CPU kernel's
+    requirements)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, "
                          f"got {attention!r}")
-    can = config.model_type in LLAMA_FAMILY and model_dims_of(config)["head_dim"] % 16 == 0
+    if attention == "fused" and config.model_type in GEMMA_FAMILY:
+        raise ValueError(f"--attention fused is not available for {config.model_type!r}: "
+                         "Gemma's soft-capped attention has no GroupQueryAttention form "
+                         "here; export it with --attention portable")
+    # Partial rotary (Phi-3, StableLM): the kernel rotates as many dims as its tables are
+    # wide, which must be a multiple of 16 as well.
+    rotary = int(model_dims_of(config)["head_dim"] * (getattr(config, "rope_parameters", None)
+                                                      or {}).get("partial_rotary_factor", 1.0))
+    can = (config.model_type in LLAMA_FAMILY + MORE_FAMILIES
+           and model_dims_of(config)["head_dim"] % 16 == 0 and rotary % 16 == 0)
     if attention == "fused" and not can:
-        raise ValueError(f"--attention fused needs a Llama, Mistral or Qwen2 model with a "
-                         f"head size that is a multiple of 16, not {config.model_type!r} "
-                         f"with {model_dims_of(config)['head_dim']}: export it with "
-                         "--attention portable")
+        raise ValueError(f"--attention fused needs a Llama-like model "
+                         f"({', '.join(LLAMA_FAMILY + MORE_FAMILIES)}) with a "
+                         f"head size that is a multiple of 16 and a rotary size that is "
+                         f"one too, not {config.model_type!r} with head size "
+                         f"{model_dims_of(config)['head_dim']} and rotary size {rotary}: "
+                         "export it with --attention portable")
     return attention == "fused" or (attention == "auto" and can
                                     and precision in ("int8", "int4"))
 
@@ -43,10 +60,37 @@ def model_dims_of(cfg) -> dict[str, int]:
                 "head_dim": cfg.n_embd // cfg.n_head, "vocab_size": cfg.vocab_size,
                 "max_context": cfg.n_positions}
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # Sliding-window layers mask attention to their window (graph/attention.py), so the
+    # context is the model's full one.
     max_context = cfg.max_position_embeddings
-    # Sliding-window attention only differs from full attention beyond the window; the graph
-    # does full attention, so the context is capped at the window to stay exact.
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        max_context = min(max_context, cfg.sliding_window)
+    if cfg.model_type == "phi3":
+        max_context = phi3_context(cfg)
     return {"num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
             "head_dim": head_dim, "vocab_size": cfg.vocab_size, "max_context": max_context}
+
+
+def phi3_context(cfg) -> int:
+    """The largest context a Phi-3 bundle is exact for: under LongRoPE
+    `original_max_position_embeddings`, else the model's. transformers rotates a Phi-3
+    sequence with the short factors while it is at most that long, and once it grows past
+    it, generation recomputes the whole cache with the long factors
+    (Phi3ForCausalLM.prepare_inputs_for_generation); a bundle's cache is never recomputed."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        return min(cfg.max_position_embeddings, int(rope["original_max_position_embeddings"]))
+    return cfg.max_position_embeddings
+
+
+def layer_windows(cfg) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers masks
+    them: Mistral slides in every layer when its config has a window; Qwen2 and Qwen3 in
+    the layers their `layer_types` call "sliding_attention" (their configs drop the window
+    unless `use_sliding_window`)."""
+    window = getattr(cfg, "sliding_window", None)
+    n = cfg.num_hidden_layers
+    if not window:
+        return [None] * n
+    types = getattr(cfg, "layer_types", None) if cfg.model_type != "mistral" else None
+    if types is None:
+        return [window] * n
+    return [window if kind == "sliding_attention" else None for kind in types[:n]]

@@ -1,4 +1,24 @@
-"""Rotary position embeddings: the tables for the positions of a call, and their use."""
+"""Rotary position embeddings: the tables for the positions of a call, and their use.
+
+The tables are computed here from the model's rotary embedding's frequencies rather than by
+calling it, because two of the scalings transformers ships depend on the call:
+
+* "dynamic" recomputes its frequencies when a call reaches past `max_position_embeddings`
+  and keeps them as module state. Up to that length its frequencies are the unscaled ones,
+  and a bundle's context is at most `max_position_embeddings` (graph/families.py), so the
+  graph uses the unscaled frequencies (`original_inv_freq`), which is exact for every call
+  a bundle can make.
+* "longrope" uses its long factors for a whole call once the call's last position reaches
+  `original_max_position_embeddings`, its short ones before. transformers' greedy decoding
+  is one prompt call and then one token per call, so position p is rotated with the long
+  factors when p >= that length, and every prompt position is when the prompt reaches it.
+  The graph does exactly that (`_long_rows`): per call for a first call (past_length 0),
+  per position afterwards, so a speculative call over K + 1 positions rotates each as
+  plain decoding does and speculative decoding stays exact.
+
+"default", "linear", "llama3" and "yarn" fix their frequencies (and yarn its attention
+factor) at construction; their tables are cos(p * inv_freq) * attention_scaling as well.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +26,54 @@ import torch
 from torch import nn
 
 from specedge.export.graph.families import model_dims_of
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def rope_type(rotary_emb: nn.Module) -> str:
+    """The rotary embedding's scaling, or ValueError for one whose tables are not known to
+    match transformers'."""
+    kind = getattr(rotary_emb, "rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: "
+                         f"{', '.join(ROPE_TYPES)}); the graph's rotary tables would not "
+                         "match transformers'")
+    return kind
+
+
+def _frequencies(rotary_emb: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(inverse frequencies, longrope's long ones or None, longrope's switch length)."""
+    short = getattr(rotary_emb, "original_inv_freq", rotary_emb.inv_freq).float()
+    if rope_type(rotary_emb) != "longrope":
+        return short, None, 0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    switch = int(rotary_emb.config.rope_parameters["original_max_position_embeddings"])
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary_emb.config, None, seq_len=switch + 1)
+    return short, long.float(), switch
+
+
+def _long_rows(position_ids: torch.Tensor, past_length: torch.Tensor,
+               switch: int) -> torch.Tensor:
+    """[1, T] bool: the positions longrope rotates with its long factors (module
+    docstring): from `switch` on, and all of a first call that reaches it."""
+    first_call = (past_length == 0) & (position_ids.max() >= switch)
+    return (position_ids >= switch) | first_call
+
+
+def call_tables(rotary_emb: nn.Module, position_ids: torch.Tensor,
+                past_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [1, T, d] for the positions of one call, as transformers computes them
+    (position_ids[..., None] * inv_freq, both halves, times attention_scaling)."""
+    short, long, switch = _frequencies(rotary_emb)
+    inv = short
+    if long is not None:
+        inv = torch.where(_long_rows(position_ids, past_length, switch).unsqueeze(-1),
+                          long, short)
+    freqs = position_ids[..., None].float() * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = rotary_emb.attention_scaling
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, d: int) -> tuple[torch.Tensor, ...]:
@@ -25,10 +93,25 @@ def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def gqa_rotary_cache(rotary_emb: nn.Module, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """GroupQueryAttention's rotary tables (cos, sin) [max_context, D/2] from a Hugging
-    Face rotary embedding: the first half of its tables (the two halves are equal)."""
+    """GroupQueryAttention's rotary tables (cos, sin) [R, D/2]: the first half of the
+    tables (the two halves are equal) for positions 0 .. max_context - 1, R = max_context;
+    for longrope the long factors' rows follow the short ones' (R = 2 max_context), and
+    `gqa_positions` picks the rows."""
     dims = model_dims_of(config)
-    d, positions = dims["head_dim"], torch.arange(dims["max_context"]).unsqueeze(0)
-    with torch.no_grad():
-        cos, sin = rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-    return cos[0, :, :d // 2].contiguous(), sin[0, :, :d // 2].contiguous()
+    d, positions = dims["head_dim"], torch.arange(dims["max_context"]).float()
+    short, long, _ = _frequencies(rotary_emb)
+    freqs = torch.cat([positions[:, None] * inv for inv in (short, long) if inv is not None])
+    scaling = rotary_emb.attention_scaling
+    return ((freqs.cos() * scaling)[:, :d // 2].contiguous(),
+            (freqs.sin() * scaling)[:, :d // 2].contiguous())
+
+
+def gqa_positions(rotary_emb: nn.Module, config, position_ids: torch.Tensor,
+                  past_length: torch.Tensor) -> torch.Tensor:
+    """The rows of `gqa_rotary_cache` for the positions of a call: the positions, or for
+    longrope max_context rows further where the long factors apply."""
+    _, long, switch = _frequencies(rotary_emb)
+    if long is None:
+        return position_ids
+    offset = model_dims_of(config)["max_context"]
+    return position_ids + _long_rows(position_ids, past_length, switch).long() * offset

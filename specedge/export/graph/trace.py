@@ -10,21 +10,28 @@ import torch
 from torch import nn
 
 from specedge.export.graph.families import (
+    GEMMA_FAMILY,
     GPT2_FAMILY,
     LLAMA_FAMILY,
+    MORE_FAMILIES,
     SUPPORTED_ARCHITECTURES,
     fused_attention,
     model_dims,
 )
+from specedge.export.graph.gemma import GemmaDecoder
 from specedge.export.graph.gpt2 import GPT2Decoder
+from specedge.export.graph.granite import GraniteDecoder
 from specedge.export.graph.llama import LlamaFamilyDecoder
+from specedge.export.graph.olmo2 import Olmo2Decoder
+from specedge.export.graph.phi3 import Phi3Decoder
+from specedge.export.graph.stablelm import StableLmDecoder
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, graph_io
 
 OPSET = 21
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (specedge/export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 4
+GRAPH_REVISION = 5
 
 
 def wrap(model: nn.Module, features: bool | nn.Module = False,
@@ -33,7 +40,8 @@ def wrap(model: nn.Module, features: bool | nn.Module = False,
 
     `features`: the graph also outputs the target's features for a feature draft (True,
     or the feature draft: LlamaFamilyDecoder).
-    `fused`: attention on ONNX Runtime's GroupQueryAttention (Llama family only)."""
+    `fused`: attention on ONNX Runtime's GroupQueryAttention (families.py
+    `fused_attention` says which models can have it)."""
     model_type = model.config.model_type
     if features and model_type not in LLAMA_FAMILY:
         raise ValueError(f"feature drafts need a Llama, Mistral or Qwen2 target, not "
@@ -44,6 +52,12 @@ def wrap(model: nn.Module, features: bool | nn.Module = False,
         return LlamaFamilyDecoder(model, features, fused)
     if model_type in GPT2_FAMILY:
         return GPT2Decoder(model)
+    if model_type in GEMMA_FAMILY:
+        return GemmaDecoder(model)
+    if model_type in MORE_FAMILIES:
+        decoders = {"phi3": Phi3Decoder, "granite": GraniteDecoder, "olmo2": Olmo2Decoder,
+                    "stablelm": StableLmDecoder}
+        return decoders[model_type](model, fused)
     raise ValueError(f"architecture {model_type!r} is not supported; supported: "
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
