@@ -10,5 +10,5 @@ python3 -m venv .venv
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[export,bench,cuda,dev]"
 ruff check .
-lint-imports  # the import rules in pyproject.toml (docs/architecture.md)
+lint-imports --no-logo  # the import rules in pyproject.toml (docs/architecture.md)
 python -m pytest "$@"

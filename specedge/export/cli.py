@@ -21,8 +21,8 @@ EXPORT_BACKENDS = ("onnx", "ort-cpu", "ort-cuda", "tensorrt")
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="checkpoint folder, .gguf file, or alias "
-                   "(smollm2-135m); or give it as --model")
+    p.add_argument("model", nargs="?", help="checkpoint folder, .gguf file, Hugging Face Hub "
+                   "id, or alias (smollm2-135m); or give it as --model")
     p.add_argument("--model", dest="model_option", metavar="MODEL",
                    help="the same as the positional MODEL")
     p.add_argument("--out", required=True, help="bundle folder to write")
@@ -36,9 +36,10 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "fastest on CPU; the export reports the quantized target's change")
     p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
                    help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
-                   "cache in place and reads only its valid rows (ort-cpu only; Llama "
-                   "family); portable: standard ONNX operators, for every backend; auto "
-                   "(default): fused for int8/int4, portable for fp32/fp16")
+                   "cache in place and reads only its valid rows (ort-cpu only; not Gemma "
+                   "or GPT-2); portable: standard ONNX operators, for every backend; auto "
+                   "(default): fused for int8/int4 where the model allows it, else "
+                   "portable")
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
     p.add_argument("--backend", choices=EXPORT_BACKENDS, default="onnx",
