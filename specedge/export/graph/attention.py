@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specedge.export.graph.rotary import rotary_tables, rotate
+from specedge.export.graph.rotary import partial_rotary_tables, rotate
 
 
 def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,
@@ -97,8 +97,11 @@ class GroupQueryAttention(torch.autograd.Function):
         t = qkv.shape[1]
         d = qkv.shape[2] // (heads + 2 * kv_heads)
         x = qkv.reshape(1, t, heads + 2 * kv_heads, d).transpose(1, 2)
+        # Tables narrower than half a head rotate the first 2 x width dims only, as the
+        # kernel does (partial rotary: Phi-3, StableLM).
         halves = torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions]
-        qk = rotate(x[:, :heads + kv_heads], rotary_tables(*halves, d))
+        qk = rotate(x[:, :heads + kv_heads],
+                    partial_rotary_tables(*halves, 2 * cos.shape[-1], d))
         k, v = qk[:, heads:], x[:, heads + kv_heads:]
         past_length = int(total) - t
         bias = attention_bias(torch.tensor([past_length]), past_k.shape[2], t,

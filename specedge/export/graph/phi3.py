@@ -29,59 +29,11 @@ from specedge.export.graph.rotary import (
     call_tables,
     gqa_positions,
     gqa_rotary_cache,
+    partial_rotary_tables,
     rope_type,
-    rotary_tables,
+    rotary_dim,
     rotate,
 )
-
-
-def rotary_dim(rotary_emb: nn.Module) -> int:
-    """How many dims of each head a Hugging Face rotary embedding rotates."""
-    return 2 * int(rotary_emb.inv_freq.shape[0])
-
-
-def partial_rotary_tables(cos: torch.Tensor, sin: torch.Tensor, r: int, head_dim: int
-                          ) -> tuple[torch.Tensor, ...]:
-    """`rotary_tables` for rotary over the first r dims of each head (cos, sin [1, T, r]; as
-    transformers' apply_rotary_pos_emb does when its tables are narrower than a head): the
-    other dims get cos 1, sin 0 and themselves in the permutation, so that `rotate` leaves
-    them as they are (x * 1 + x * 0 is x exactly) and one elementwise pass does it all.
-    Sizes are Python ints: a size read from a traced tensor would be a traced value."""
-    cos_t, signed_sin, perm = rotary_tables(cos, sin, r)
-    if r == head_dim:
-        return cos_t, signed_sin, perm
-    pad = (0, head_dim - r)
-    return (torch.nn.functional.pad(cos_t, pad, value=1.0),
-            torch.nn.functional.pad(signed_sin, pad, value=0.0),
-            torch.cat([perm, torch.arange(r, head_dim)]))
-
-
-class PartialRotaryGQA(GroupQueryAttention):
-    """GroupQueryAttention (attention.py) on heads rotated over their first R dims only,
-    R = 2 x the width of the rotary tables: ONNX Runtime rotates that many dims when its
-    tables are narrower than half a head. The same node; `forward`, what tracing runs,
-    rotates the first R dims."""
-
-    @staticmethod
-    def forward(ctx, qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, heads,
-                kv_heads, scale, window=0):
-        t = qkv.shape[1]
-        d = qkv.shape[2] // (heads + 2 * kv_heads)
-        x = qkv.reshape(1, t, heads + 2 * kv_heads, d).transpose(1, 2)
-        tables = partial_rotary_tables(torch.cat([cos, cos], -1)[positions],
-                                       torch.cat([sin, sin], -1)[positions],
-                                       2 * cos.shape[-1], d)
-        qk = rotate(x[:, :heads + kv_heads], tables)
-        k, v = qk[:, heads:], x[:, heads + kv_heads:]
-        past_length = int(total) - t
-        bias = attention_bias(torch.tensor([past_length]), past_k.shape[2], t,
-                              heads // kv_heads, qkv.dtype, window or None)
-        out = cached_attention(qk[:, :heads] * scale, k, v, past_k, past_v, bias,
-                               (heads, kv_heads, d))
-        present_k, present_v = past_k.clone(), past_v.clone()
-        present_k[:, :, past_length:past_length + t] = k
-        present_v[:, :, past_length:past_length + t] = v
-        return out, present_k, present_v
 
 
 class Phi3Decoder(nn.Module):
@@ -121,7 +73,7 @@ class Phi3Decoder(nn.Module):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             if self.fused:
-                o, k, v = PartialRotaryGQA.apply(
+                o, k, v = GroupQueryAttention.apply(
                     attn.qkv_proj(h), past[2 * i], past[2 * i + 1], *lengths,
                     *self.rotary_cache, rows, self.heads, self.kv_heads,
                     float(attn.scaling), int(self.windows[i] or 0))

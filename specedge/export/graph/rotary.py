@@ -85,6 +85,27 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, d: int) -> tuple[torch.T
     return cos.unsqueeze(1), (sin * sign).unsqueeze(1), perm
 
 
+def partial_rotary_tables(cos: torch.Tensor, sin: torch.Tensor, r: int, head_dim: int
+                          ) -> tuple[torch.Tensor, ...]:
+    """`rotary_tables` for rotary over the first r dims of each head (cos, sin [1, T, r]; as
+    transformers' apply_rotary_pos_emb does when its tables are narrower than a head): the
+    other dims get cos 1, sin 0 and themselves in the permutation, so that `rotate` leaves
+    them as they are (x * 1 + x * 0 is x exactly) and one elementwise pass does it all.
+    Sizes are Python ints: a size read from a traced tensor would be a traced value."""
+    cos_t, signed_sin, perm = rotary_tables(cos, sin, r)
+    if r == head_dim:
+        return cos_t, signed_sin, perm
+    pad = (0, head_dim - r)
+    return (torch.nn.functional.pad(cos_t, pad, value=1.0),
+            torch.nn.functional.pad(signed_sin, pad, value=0.0),
+            torch.cat([perm, torch.arange(r, head_dim)]))
+
+
+def rotary_dim(rotary_emb: nn.Module) -> int:
+    """How many dims of each head a Hugging Face rotary embedding rotates."""
+    return 2 * int(rotary_emb.inv_freq.shape[0])
+
+
 def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Rotary positions, x * cos + rotate_half(x) * sin, as one Gather and three
     elementwise ops."""

@@ -9,16 +9,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specedge.export.graph.attention import attention_bias, cached_attention, gqa_lengths
+from specedge.export.graph.attention import (
+    GroupQueryAttention,
+    attention_bias,
+    cached_attention,
+    gqa_lengths,
+)
 from specedge.export.graph.granite import gated_mlp
 from specedge.export.graph.llama import fused_weights
 from specedge.export.graph.outputs import last_positions, lm_head
-from specedge.export.graph.phi3 import PartialRotaryGQA, partial_rotary_tables, rotary_dim
 from specedge.export.graph.rotary import (
     call_tables,
     gqa_positions,
     gqa_rotary_cache,
+    partial_rotary_tables,
     rope_type,
+    rotary_dim,
     rotate,
 )
 
@@ -58,7 +64,7 @@ class StableLmDecoder(nn.Module):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             if self.fused:
-                o, k, v = PartialRotaryGQA.apply(
+                o, k, v = GroupQueryAttention.apply(
                     self._qkv(attn, h, 1.0), past[2 * i], past[2 * i + 1], *lengths,
                     *self.rotary_cache, rows, self.heads, self.kv_heads,
                     float(attn.scaling), 0)
