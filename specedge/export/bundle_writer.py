@@ -6,9 +6,9 @@ the end, so an interrupted export leaves nothing half-written.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
-import shutil
 import sys
 import time
 from contextlib import closing, contextmanager
@@ -22,14 +22,22 @@ from specedge import __version__
 from specedge.export.distill.folder import check_distilled_draft, is_distilled_draft, load_draft
 from specedge.export.drafts.feature import FeatureDraft
 from specedge.export.drafts.truncated import (
+    apply_draft_head,
+    check_draft_head_tokens,
     check_draft_layers,
     check_same_vocabulary,
     fit_draft_vocabulary,
     tokenizer_size,
     truncated_draft,
 )
-from specedge.export.graph.families import SUPPORTED_ARCHITECTURES, fused_attention, model_dims
+from specedge.export.graph.families import (
+    SUPPORTED_ARCHITECTURES,
+    fused_attention,
+    model_dims_of,
+)
 from specedge.export.graph.trace import GRAPH_REVISION, OPSET, export_onnx
+from specedge.export.onnx_files import data_file, graph_files, load_graph
+from specedge.export.peak_memory import peak_mb, reset_peak
 from specedge.export.quantize import (
     PERPLEXITY_TEXT,
     PRECISIONS,
@@ -85,16 +93,21 @@ def _one_line(e: BaseException) -> str:
 
 
 @contextmanager
-def _step(progress, name: str):
+def _step(progress, name: str, costs: list[dict]):
     """Run one export step: its failure becomes an ExportError naming the step, the library's
-    message, and what to do (STEP_ADVICE). Interrupts and our own errors pass as they are."""
+    message, and what to do (STEP_ADVICE). Interrupts and our own errors pass as they are.
+    Appends the step's time and peak memory to `costs` (the manifest's `export_steps`)."""
     progress.set_postfix_str(name)
+    reset_peak()
+    start = time.perf_counter()
     try:
         yield
     except ExportError:
         raise
     except Exception as e:
         raise _step_error(name, e) from e
+    costs.append({"step": name, "seconds": round(time.perf_counter() - start, 1),
+                  "peak_rss_mb": peak_mb()})
     progress.update()
 
 
@@ -139,17 +152,20 @@ def _io_spec(graph: onnx.GraphProto, dims: dict, features: int,
     return [entry(v) for v in graph.input], [entry(v) for v in graph.output]
 
 
-def _model_entry(model, path: Path, max_context: int | None, precision: str) -> dict:
-    dims = model_dims(model)
-    graph = onnx.load(str(path), load_external_data=False).graph
+def _model_entry(config, path: Path, max_context: int | None, precision: str) -> dict:
+    dims = model_dims_of(config)
+    graph = load_graph(path).graph
     features, reads = graph_features(graph)
     kv_layout = graph_kv_layout(graph)
     inputs, outputs = _io_spec(graph, dims, features, kv_layout)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
-    entry = {"file": path.name, "architecture": model.config.model_type, **dims,
+    entry = {"file": path.name, "architecture": config.model_type, **dims,
              "dtype": "float32", "precision": precision, "kv_layout": kv_layout,
              "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+    if data_file(path).is_file():  # a graph over 2 GB keeps its weights beside it
+        entry |= {"data_file": data_file(path).name,
+                  "data_file_size": data_file(path).stat().st_size}
     if features:
         entry |= {"features": features, "reads_features": reads}
     return entry
@@ -179,12 +195,18 @@ def _fingerprint(source: str | None) -> str | None:
 
 
 def export_args(model: str, draft: str | None, draft_layers: int | None,
-                max_context: int | None, precision: str, attention: str = "auto") -> dict:
+                max_context: int | None, precision: str, attention: str = "auto",
+                draft_head_tokens: int | str | None = None) -> dict:
     """What a bundle was made from: an up-to-date bundle has exactly these."""
-    return {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
+    args = {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
             "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
             "max_context": max_context, "precision": precision, "attention": attention,
             "graph_revision": GRAPH_REVISION}
+    # Only a truncated or checkpoint draft takes a head subset: other bundles keep their
+    # arguments (and stay up to date).
+    if draft_layers is not None or (draft is not None and not is_distilled_draft(draft)):
+        args["draft_head_tokens"] = "auto" if draft_head_tokens is None else draft_head_tokens
+    return args
 
 
 def is_current(out: Path, args: dict) -> bool:
@@ -197,8 +219,8 @@ def is_current(out: Path, args: dict) -> bool:
 
 
 def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | None,
-               max_context: int | None, precision: str,
-               attention: str) -> tuple[Path, Path | None]:
+               max_context: int | None, precision: str, attention: str,
+               draft_head_tokens: int | str | None = None) -> tuple[Path, Path | None]:
     """Every check that needs no weights, before any slow work: bad input fails at once."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -222,6 +244,12 @@ def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | Non
     fused_attention(attention, precision, target_config)  # raises if it cannot have it
     if draft_layers is not None:
         check_draft_layers(target_config, draft_layers)
+    check_draft_head_tokens(draft_head_tokens, target_config.vocab_size)
+    if draft_head_tokens not in (None, "auto") and draft_layers is None and (
+            draft is None or is_distilled_draft(draft)):
+        raise ValueError("--draft-head-tokens applies to a draft made with --draft-layers or "
+                         "given as a checkpoint with --draft; a distilled draft scores its own "
+                         "head tokens")
     draft_path = None
     if draft is not None and is_distilled_draft(draft):
         draft_path = Path(draft)
@@ -237,7 +265,7 @@ def _preflight(out: Path, model: str, draft: str | None, draft_layers: int | Non
 def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
                   precision: str = "fp32", verify: bool = False, force: bool = False,
-                  attention: str = "auto") -> dict:
+                  attention: str = "auto", draft_head_tokens: int | str | None = None) -> dict:
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless
@@ -247,17 +275,20 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     much (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
     quantizes both graphs and records the quantized target's agreement with fp32.
     `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
-    (fused for int8 and int4 Llama-family graphs).
+    (fused for int8 and int4 Llama-family graphs). `draft_head_tokens`: how many tokens a
+    truncated or checkpoint draft's head scores, an integer, "all", or "auto"/None
+    (drafts/truncated.py `draft_head_size`).
     """
     from transformers.utils import logging as hf_logging
 
     out = Path(out)
-    args = export_args(model, draft, draft_layers, max_context, precision, attention)
+    args = export_args(model, draft, draft_layers, max_context, precision, attention,
+                       draft_head_tokens)
     if not force and is_current(out, args):
         print(f"bundle {out} is up to date (use --force to re-export)", file=sys.stderr)
         return json.loads((out / MANIFEST).read_text())
     target_path, draft_path = _preflight(out, model, draft, draft_layers, max_context,
-                                         precision, attention)
+                                         precision, attention, draft_head_tokens)
     hf_logging.disable_progress_bar()  # one progress bar: ours
 
     steps = ["load models", "export target graph", "export draft graph"]
@@ -267,7 +298,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     try:
         with replacing(out, folder=True) as tmp, closing(progress):
             manifest = _export_steps(tmp, progress, args, target_path, draft_path,
-                                     draft_layers, max_context, precision, verify, attention)
+                                     draft_layers, max_context, precision, verify, attention,
+                                     draft_head_tokens)
     except OSError as e:  # moving the new bundle into place
         raise _step_error("write bundle", e) from e
     return manifest
@@ -275,9 +307,11 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
 
 def _export_steps(tmp: Path, progress, args: dict, target_path: Path, draft_path: Path | None,
                   draft_layers: int | None, max_context: int | None, precision: str,
-                  verify: bool, attention: str) -> dict:
+                  verify: bool, attention: str,
+                  draft_head_tokens: int | str | None = None) -> dict:
     """`export_bundle`'s steps, each in `_step`, into the temporary folder `tmp`."""
-    with _step(progress, "load models"):
+    costs: list[dict] = []
+    with _step(progress, "load models", costs):
         target, tokenizer = load_model(target_path)
         draft_model = None
         if draft_path is not None and is_distilled_draft(draft_path):
@@ -288,28 +322,35 @@ def _export_steps(tmp: Path, progress, args: dict, target_path: Path, draft_path
                                  tokenizer_size(tokenizer))
         elif draft_layers is not None:
             draft_model = truncated_draft(target, draft_layers)
+        if draft_model is not None and not (draft_path and is_distilled_draft(draft_path)):
+            apply_draft_head(draft_model, tokenizer, draft_head_tokens,
+                             _special_tokens(target, tokenizer)["eos_token_ids"])
 
     # Quantized graphs keep the head's own copy, so that it is quantized as a MatMul.
     share_head = precision in ("fp32", "fp16")
     feature_draft = isinstance(draft_model, FeatureDraft)
     reader = draft_model if feature_draft else False  # what the target's features feed
-    with _step(progress, "export target graph"):
-        export_onnx(target, str(tmp / "target.onnx"), share_head=share_head, features=reader,
+    roles = {"target": target} | ({"draft": draft_model} if draft_model is not None else {})
+    graphs = {role: tmp / f"{role}.onnx" for role in roles}
+    # A quantized graph is written in fp32 first, beside the file it ends in.
+    fp32 = graphs if precision == "fp32" else {
+        role: tmp / f"{role}.fp32.onnx" for role in roles}
+    with _step(progress, "export target graph", costs):
+        export_onnx(target, fp32["target"], share_head=share_head, features=reader,
                     fused=fused_attention(attention, precision, target.config))
-    with _step(progress, "export draft graph"):
+    with _step(progress, "export draft graph", costs):
         if draft_model is not None:
-            export_onnx(draft_model, str(tmp / "draft.onnx"), share_head=share_head,
+            export_onnx(draft_model, fp32["draft"], share_head=share_head,
                         fused=fused_attention(attention, precision, draft_model.config))
 
     report = {}
     prompt = text_ids(tokenizer, VERIFY_PROMPT)
     if verify:
-        with _step(progress, "verify graphs"):
-            report["target"] = verify_graph(target, tmp / "target.onnx", prompt,
-                                            features=reader)
+        with _step(progress, "verify graphs", costs):
+            report["target"] = verify_graph(target, fp32["target"], prompt, features=reader)
             if draft_model is not None:
                 check = verify_feature_draft if feature_draft else verify_graph
-                report["draft"] = check(draft_model, tmp / "draft.onnx", prompt)
+                report["draft"] = check(draft_model, fp32["draft"], prompt)
         failed = [role for role, r in report.items() if not r["ok"]]
         if failed:
             raise ExportError(" ".join(verify_failure(role, report[role]) for role in failed)
@@ -317,27 +358,31 @@ def _export_steps(tmp: Path, progress, args: dict, target_path: Path, draft_path
                               "unchanged): export without --verify to keep the graphs and "
                               "compare them yourself, and report the model's architecture "
                               "with this message.")
+    # What the rest needs of the models; then torch's copy of the weights goes, so that the
+    # quantize step holds the ONNX graphs only (a 1B model's fp32 weights are 5 GB).
+    configs = {role: m.config for role, m in roles.items()}
+    special = _special_tokens(target, tokenizer)
+    head_ids = getattr(draft_model, "specedge_head_ids", None)
+    del target, draft_model, roles, reader
+    gc.collect()
     quantization = None
     if precision != "fp32":
-        with _step(progress, "quantize"):
-            fp32 = tmp / "target.fp32.onnx"
-            shutil.copyfile(tmp / "target.onnx", fp32)
-            quantize_graph(tmp / "target.onnx", precision)
-            if draft_model is not None:
-                quantize_graph(tmp / "draft.onnx", precision)
-            quantization = quantization_report(fp32, tmp / "target.onnx", model_dims(target),
-                                               prompt, text_ids(tokenizer, PERPLEXITY_TEXT))
-            fp32.unlink()
+        with _step(progress, "quantize", costs):
+            for role in configs:
+                quantize_graph(fp32[role], graphs[role], precision)
+            quantization = quantization_report(
+                fp32["target"], graphs["target"], model_dims_of(configs["target"]), prompt,
+                text_ids(tokenizer, PERPLEXITY_TEXT))
+            for path in fp32.values():
+                for file in graph_files(path):
+                    file.unlink()
 
-    with _step(progress, "write bundle"):
-        models = {"target": _model_entry(target, tmp / "target.onnx", max_context,
-                                         precision)}
-        if draft_model is not None:
-            models["draft"] = _model_entry(draft_model, tmp / "draft.onnx", max_context,
-                                           precision)
+    with _step(progress, "write bundle", costs):
+        models = {role: _model_entry(config, graphs[role], max_context, precision)
+                  for role, config in configs.items()}
 
         tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-        tok_entry = {"file": "tokenizer.json", **_special_tokens(target, tokenizer),
+        tok_entry = {"file": "tokenizer.json", **special,
                      "sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest()}
         if tokenizer.chat_template:
             (tmp / "chat_template.jinja").write_text(tokenizer.chat_template)
@@ -355,6 +400,9 @@ def _export_steps(tmp: Path, progress, args: dict, target_path: Path, draft_path
             "versions": {"torch": version("torch"), "transformers": version("transformers"),
                          "onnx": version("onnx"), "opset": OPSET},
             "verify": report or None,
+            "export_steps": costs,
         }
+        if head_ids is not None:
+            models["draft"]["head_tokens"] = len(head_ids)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -30,6 +30,12 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", help="draft checkpoint sharing the target's tokenizer")
     g.add_argument("--draft-layers", type=int, metavar="N",
                    help="draft = the target's first N layers with its norm and head")
+    p.add_argument("--draft-head-tokens", type=head_tokens_argument, default="auto",
+                   metavar="N|all|auto",
+                   help="tokens the head of a --draft-layers or --draft checkpoint draft "
+                   "scores (the others get probability 0; the output stays exact): the "
+                   "special tokens, the bundled prompts' tokens, then the lowest ids. auto "
+                   "(default): 16384 for vocabularies over 65536, else all")
     p.add_argument("--max-context", type=int, help="cap the context recorded in the bundle")
     p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
                    help="weights of both graphs; int8/int4 are weight-only (MatMulNBits), "
@@ -48,6 +54,18 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "machine's GPU (fp16; on TensorRT 11 the export's precision; see "
                    "`specedge build` for options)")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
+
+
+def head_tokens_argument(value: str) -> int | str:
+    """`--draft-head-tokens`: "all", "auto" or an integer (its range is checked with the
+    model's vocabulary, bundle_writer.py `_preflight`)."""
+    if value in ("all", "auto"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, 'all' or 'auto', got {value!r}"
+                                         ) from None
 
 
 def add_build_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,7 +181,8 @@ def run(args: argparse.Namespace) -> None:
         manifest = bundle_writer.export_bundle(
             model, args.out, draft=args.draft, draft_layers=args.draft_layers,
             max_context=args.max_context, precision=args.precision, attention=args.attention,
-            verify=args.verify, force=args.force)
+            verify=args.verify, force=args.force,
+            draft_head_tokens=getattr(args, "draft_head_tokens", "auto"))
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
         # One line: the export's errors name the step and what to do (bundle_writer.py).
         fail(_one_line(e))

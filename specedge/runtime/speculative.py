@@ -55,7 +55,8 @@ def residual(p: np.ndarray | SparseProbs, q: np.ndarray | SparseProbs
     """
     if isinstance(p, SparseProbs) or isinstance(q, SparseProbs):
         p, q = as_sparse(p), as_sparse(q)
-        r = np.subtract(p.p, q.at(p.ids))
+        # On a full support (every token) q's dense row is q at p's ids, without a search.
+        r = np.subtract(p.p, q.dense() if p.ids.size == p.vocab else q.at(p.ids))
     else:
         p = np.asarray(p, dtype=np.float64)
         r = np.subtract(p, q, dtype=np.float64)

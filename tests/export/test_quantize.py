@@ -280,8 +280,8 @@ def test_int4_holds_a_q4_1_grid_exactly(tmp_path):
     rng = np.random.default_rng(0)
     w = _q4_1_grid(64, 24, rng)
     _matmul_graph(w, tmp_path / "g.onnx")
-    quantize_graph(tmp_path / "g.onnx", "int4")
-    graph = onnx.load(str(tmp_path / "g.onnx")).graph
+    quantize_graph(tmp_path / "g.onnx", tmp_path / "q.onnx", "int4")
+    graph = onnx.load(str(tmp_path / "q.onnx")).graph
     init = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
     (node,) = [n for n in graph.node if n.op_type == "MatMulNBits"]
     packed = init[node.input[1]]  # [N, K/32, 16]: two 4-bit codes per byte, low one first
@@ -295,7 +295,7 @@ def test_int4_holds_a_q4_1_grid_exactly(tmp_path):
     import onnxruntime as ort
 
     x = rng.normal(size=(1, 3, 64)).astype(np.float32)
-    (y,) = ort.InferenceSession(str(tmp_path / "g.onnx")).run(None, {"x": x})
+    (y,) = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, {"x": x})
     assert np.linalg.norm(y - x @ w) < 0.02 * np.linalg.norm(x @ w)
 
 
@@ -304,12 +304,20 @@ def test_block_offset_split_keeps_the_function(tiny_bundle, tmp_path):
     logits."""
     import onnxruntime as ort
 
-    from specedge.export.quantize import _split_block_offset
+    from specedge.export.quantize import _centre_blocks
     from specedge.runtime.bundle import graph_io, load_bundle
 
     spec = load_bundle(tiny_bundle).target
     model = onnx.load(str(spec.path))
-    assert _split_block_offset(model)
+    weights = {i.name: i for i in model.graph.initializer}
+    nodes = []
+    for node in list(model.graph.node):
+        nodes.append(node)
+        if node.op_type == "MatMul" and node.input[1] in weights:
+            nodes += _centre_blocks(model.graph, node, weights[node.input[1]])
+    assert len(nodes) > len(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     onnx.save(model, str(tmp_path / "split.onnx"))
     inputs, _ = graph_io(spec.num_layers)
     rng = np.random.default_rng(1)
@@ -345,7 +353,8 @@ def test_int8_embedding_rows_are_within_half_a_step(tmp_path):
     onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)],
                                      ir_version=10), str(path))
     fp32_size = path.stat().st_size
-    quantize_graph(path, "int8")
+    quantize_graph(path, tmp_path / "q.onnx", "int8")
+    path = tmp_path / "q.onnx"
     assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["GatherBlockQuantized"]
     assert path.stat().st_size < 0.35 * fp32_size
     ids = np.arange(300)[None]

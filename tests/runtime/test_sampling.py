@@ -722,3 +722,141 @@ def test_sparse_rows_draw_the_same_tokens_as_dense_rows():
                 got = verify_sampled(drafts, qs, p, np.random.default_rng(seed * 100 + s))
                 assert got == verify_sampled(drafts, qds, pd,
                                              np.random.default_rng(seed * 100 + s))
+
+
+# --------------------------------------------------------------------------- large vocabularies
+
+
+def large_vocab_rows(rng: np.random.Generator, vocab: int) -> list[np.ndarray]:
+    """float32 rows of a 128k-262k vocabulary, each shaped to take another path: peaked over
+    a long normal tail (most of the row within top-p's float32 estimate), a flatter one whose
+    nucleus holds thousands of tokens, a draft that scores 16384 tokens (the rest -inf), and
+    coarse ties at the top."""
+    peaked = rng.normal(0.0, 2.5, vocab)
+    peaked[rng.choice(vocab, 20, replace=False)] += 6 + rng.exponential(4.0, 20)
+    flat = rng.normal(0.0, 2.5, vocab)
+    flat[rng.choice(vocab, 5, replace=False)] += 9
+    draft = np.full(vocab, -np.inf)
+    head = rng.choice(vocab, 16384, replace=False)
+    draft[head] = rng.normal(0.0, 2.5, head.size)
+    draft[head[:10]] += 10
+    ties = np.round(rng.normal(0.0, 2.0, vocab) * 2) / 2
+    ties[rng.choice(vocab, 60, replace=False)] = ties.max() + 4
+    return [r.astype(np.float32) for r in (peaked, flat, draft, ties)]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"),
+                         [(0.8, 0, 1.0), (0.8, 50, 1.0), (1.3, 1000, 1.0), (0.8, 0, 0.95),
+                          (0.6, 0, 0.5), (0.8, 50, 0.95)])
+def test_large_vocabulary_rows_match_the_reference(temperature, top_k, top_p):
+    # process_row's own paths at V = 131072 (temperature alone on a full support, top-k from
+    # the k largest logits, top-p over the whole row) against HF's warpers, and bit for bit
+    # against process_logits where that is the plain dense computation.
+    for row in large_vocab_rows(np.random.default_rng(40), 131072):
+        got = process_row(row, temperature, top_k, top_p)
+        want = hf_reference(row.astype(np.float64), temperature, top_k, top_p)
+        np.testing.assert_array_equal(got.ids, np.flatnonzero(want))
+        np.testing.assert_allclose(got.dense(), want, rtol=1e-9, atol=1e-15)
+        if top_p == 1.0:
+            np.testing.assert_array_equal(got.dense(), process_logits(row, temperature, top_k))
+
+
+def test_top_k_of_logits_near_zero_against_a_large_max_keeps_ties():
+    # (l - m) / T may round two float32 logits far below |m| together; such a row goes down
+    # process_logits' path, which keeps both (a tie at the k-th value).
+    row = np.zeros(5000, np.float32)
+    row[:3] = [30.0, 2e-16, 1e-16]  # 30 - 2e-16 == 30 - 1e-16 in float64
+    row[3:] = -np.linspace(1.0, 5.0, 4997, dtype=np.float32)
+    for k in (2, 3):
+        got = process_row(row, 0.5, k)
+        np.testing.assert_array_equal(got.dense(), process_logits(row, 0.5, k))
+        assert got.ids.tolist() == [0, 1, 2]
+
+
+def test_full_support_rows_draw_and_verify_as_dense_rows():
+    # Temperature alone keeps every token; such a row answers at(), residual(), sample()
+    # and verify_sampled() as its dense row does, bit for bit, with sparse or full q.
+    rng = np.random.default_rng(41)
+    rows = lm_like_rows(rng, 12, 4000)[1::3]  # no masked part: full supports
+    p = [process_row(r, 0.9) for r in rows]
+    assert all(x.ids.size == 4000 for x in p)
+    q_full = [process_row(r + rng.normal(size=r.size).astype(np.float32), 0.9) for r in rows]
+    q_top = [process_row(r, 0.9, 0, 0.8) for r in rows]
+    for i in range(len(rows) - 1):
+        pd = p[i].dense()
+        np.testing.assert_array_equal(p[i].at(np.arange(4000)), pd)
+        assert p[i].at(17) == pd[17] and isinstance(p[i].at(17), float)
+        for q in (q_full[i], q_top[i]):
+            np.testing.assert_array_equal(residual(p[i], q).dense(), residual(pd, q.dense()))
+        for s in range(10):
+            assert sample(p[i], np.random.default_rng(s)) == sample(pd, np.random.default_rng(s))
+            for qs in (q_full, q_top):
+                pair = qs[i:i + 2]
+                drafts = [sample(x, np.random.default_rng(s + j)) for j, x in enumerate(pair)]
+                rows_p = p[i:i + 3] if i + 3 <= len(p) else [*p[i:], p[0]]
+                got = verify_sampled(drafts, pair, rows_p, np.random.default_rng(s))
+                assert got == verify_sampled(drafts, [x.dense() for x in pair],
+                                             [x.dense() for x in rows_p],
+                                             np.random.default_rng(s))
+
+
+def test_top_p_sorts_a_few_hundred_tokens_when_narrow_falls_just_short(monkeypatch):
+    # At V = 262144 the bound (1 - top_p) Z / V takes in most of a long tail; a nucleus of a
+    # few hundred tokens that NARROW's candidates do not cover is found at NARROW^2 instead,
+    # without sorting the tail.
+    from specedge.runtime import sampling
+
+    vocab = 262144
+    rng = np.random.default_rng(42)
+    # a tail of 0.085 over half the vocabulary: each token above (1 - top_p) / V
+    half = (vocab - 301) // 2
+    tail = np.concatenate([rng.uniform(0.8, 1.2, half) * 0.085 / half,
+                           rng.uniform(0.0, 1.0, vocab - 301 - half) * 1e-9])
+    probs = np.concatenate([[0.5], np.full(300, 0.415 / 300), tail])
+    logits = np.log(probs / probs.sum())[rng.permutation(vocab)].astype(np.float32)
+    want = hf_reference(logits.astype(np.float64), 1.0, 0, 0.9)
+    sorted_sizes = []
+    real_argsort = np.argsort
+
+    def argsort(a, *args, **kwargs):
+        sorted_sizes.append(np.size(a))
+        return real_argsort(a, *args, **kwargs)
+
+    monkeypatch.setattr(sampling.np, "argsort", argsort)
+    got = process_row(logits, 1.0, 0, 0.9)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got.ids, np.flatnonzero(want))
+    np.testing.assert_allclose(got.dense(), want, rtol=1e-9, atol=1e-15)
+    assert max(sorted_sizes, default=0) <= 1000, sorted_sizes
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=-1), dict(top_k=-1, top_p=1.0),
+                                    dict(temperature=0.0), dict(top_p=1.5)])
+def test_process_row_refuses_bad_settings_on_every_path(kwargs):
+    # Temperature alone and top-k alone have paths of their own in process_row; each
+    # refuses what process_logits refuses.
+    settings = dict(temperature=0.8, top_k=0, top_p=1.0) | kwargs
+    row = np.linspace(-3.0, 3.0, 400, dtype=np.float32)
+    with pytest.raises(ValueError):
+        process_logits(row, **settings)
+    with pytest.raises(ValueError):
+        process_row(row, **settings)
+
+
+def test_top_k_candidates_hold_the_k_largest():
+    # Top-k partitions only the values above a threshold taken from every 64th value
+    # (sampling._above_kth); they must include the k largest, ties at the k-th too, or be
+    # the whole row when the sample misleads (here: the largest values on sampled positions).
+    from specedge.runtime.sampling import _above_kth
+
+    rng = np.random.default_rng(43)
+    for k in (1, 50, 1000):
+        for row in (rng.normal(size=262144).astype(np.float32),
+                    np.round(rng.normal(size=131072) * 2).astype(np.float32)):
+            got = _above_kth(row, k)
+            assert got.size >= k and got.size < row.size
+            kth = np.partition(row, row.size - k)[row.size - k]
+            assert np.count_nonzero(got >= kth) == np.count_nonzero(row >= kth)
+    row = np.zeros(262144, np.float32)
+    row[::64] = 1.0  # the sample sees only these: its threshold passes 4096 of them
+    assert _above_kth(row, 5000) is row

@@ -1,9 +1,12 @@
 """The draft model: a given checkpoint with the target's tokenizer, or the target's first N
-layers (with its final norm and head), so that a bundle always has a draft."""
+layers (with its final norm and head), so that a bundle always has a draft; and the head
+subset such a draft scores at large vocabularies (`head_subset_ids`, `limit_draft_head`)."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,14 +24,22 @@ def check_draft_layers(config, layers: int) -> None:
 
 
 def truncated_draft(target: nn.Module, layers: int) -> nn.Module:
-    """A copy of `target` keeping only its first `layers` decoder layers."""
+    """A copy of `target` keeping only its first `layers` decoder layers.
+
+    The layers it drops are detached from `target` while it is copied, so that the copy
+    costs the draft's size, not the target's (a 1B-parameter target is 5 GB of fp32)."""
     check_draft_layers(target.config, layers)
-    draft = copy.deepcopy(target)
+    stack = target.transformer if target.config.model_type == "gpt2" else target.model
+    name = "h" if target.config.model_type == "gpt2" else "layers"
+    everything = getattr(stack, name)
+    setattr(stack, name, everything[:layers])
+    try:
+        draft = copy.deepcopy(target)
+    finally:
+        setattr(stack, name, everything)
     if target.config.model_type == "gpt2":
-        draft.transformer.h = draft.transformer.h[:layers]
         draft.config.n_layer = layers
     else:
-        draft.model.layers = draft.model.layers[:layers]
         draft.config.num_hidden_layers = layers
         if getattr(draft.config, "layer_types", None):
             draft.config.layer_types = draft.config.layer_types[:layers]
@@ -146,3 +157,93 @@ def make_draft(target, layers: int, mlp_width: int | None = None):
 def attach_head(draft, head_ids: torch.Tensor) -> None:
     """Mark the draft's output head as covering only `head_ids` (see export/graph/outputs.py)."""
     draft.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
+
+
+# `--draft-head-tokens auto`: above AUTO_HEAD_VOCAB tokens a truncated or checkpoint draft
+# scores AUTO_HEAD_TOKENS of them (docs/export.md, "Draft head subsets"). At 128256 tokens
+# the head is most of a one-layer draft's call (0.89 of an int4 target call, 0.047 with
+# 16384 tokens); on SmolLM2-135M (49152) 16384 tokens hold 93-95% of the target's greedy
+# tokens, so a smaller vocabulary keeps every token: its draft's head costs less than that
+# loss of reach is worth (docs/MEASUREMENTS.md, "Draft head subsets").
+AUTO_HEAD_VOCAB = 65536
+AUTO_HEAD_TOKENS = 16384
+
+
+def check_draft_head_tokens(setting: object, vocab_size: int) -> None:
+    """Refuse a `--draft-head-tokens` that is not an integer in [1, vocab_size], "all",
+    "auto" or None (auto)."""
+    if setting is None or setting in ("all", "auto"):
+        return
+    if isinstance(setting, bool) or not isinstance(setting, int) or not (
+            1 <= setting <= vocab_size):
+        raise ValueError(f"--draft-head-tokens must be an integer in [1, {vocab_size}] (the "
+                         "target's vocabulary), 'all' or 'auto', got "
+                         f"{setting!r}: give how many tokens the draft's head scores")
+
+
+def draft_head_size(setting: int | str | None, vocab_size: int) -> int | None:
+    """How many tokens the draft's head scores for a `--draft-head-tokens` setting (checked),
+    or None for all of them."""
+    check_draft_head_tokens(setting, vocab_size)
+    if setting is None or setting == "auto":
+        return AUTO_HEAD_TOKENS if vocab_size > AUTO_HEAD_VOCAB else None
+    return None if setting == "all" or setting >= vocab_size else setting
+
+
+def head_subset_ids(tokenizer, vocab_size: int, n: int,
+                    always: Iterable[int] = ()) -> torch.Tensor:
+    """The `n` token ids a draft's head scores, ascending (fewer when the tokenizer has fewer
+    tokens), chosen without training data, in this order of priority:
+
+    1. `always` (the bundle's end-of-sequence ids) and the tokenizer's special tokens: a
+       draft must be able to propose the end of an answer and the chat template's tokens;
+    2. the tokens of the bundled prompt set (specedge/prompts.jsonl: chat, passages, code),
+       most frequent first;
+    3. the lowest remaining ids: byte-level BPE vocabularies are in merge order, and the
+       earliest merges are the most frequent pieces of the corpus the tokenizer was made on.
+
+    Ids at or above the tokenizer's size are no token and never chosen. On SmolLM2-135M,
+    whose ids are in merge order, 2 changes how many of the target's greedy tokens the
+    subset holds by under 1.3 points (docs/MEASUREMENTS.md, "Draft head subsets"); it is
+    there for tokenizers whose ids are not in frequency order.
+    """
+    from specedge.prompts import load_prompts
+
+    tokens = min(vocab_size, tokenizer_size(tokenizer))
+    special = [getattr(tokenizer, name, None) for name in SPECIAL_TOKENS]
+    ranked = [*always, *(i for i in special if i is not None), *tokenizer.all_special_ids]
+    counts = Counter()
+    for prompt in load_prompts():
+        counts.update(tokenizer(prompt["prompt"], add_special_tokens=False)["input_ids"])
+    ranked += [i for i, _ in counts.most_common()]
+    chosen = dict.fromkeys(i for i in ranked if 0 <= i < tokens)  # first n, in priority
+    chosen = list(chosen)[:n]
+    if len(chosen) < n:
+        taken = set(chosen)
+        chosen += [i for i in range(tokens) if i not in taken][:n - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def limit_draft_head(draft: nn.Module, ids: torch.Tensor) -> None:
+    """Let `draft`'s head score only `ids` (the others get logit -inf, probability 0:
+    export/graph/outputs.py), in place. A head already limited (a checkpoint draft whose
+    embedding has rows beyond the tokenizer) keeps only the ids in both."""
+    ids = torch.unique(torch.as_tensor(ids, dtype=torch.long))
+    vocab = draft.config.vocab_size
+    if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= vocab:
+        raise ValueError(f"a draft's head ids must be non-empty and in [0, {vocab})")
+    current = getattr(draft, "specedge_head_ids", None)
+    if current is not None:
+        ids = ids[torch.isin(ids, current)]
+    if current is None and ids.numel() == vocab:
+        return  # every token: the plain head
+    attach_head(draft, ids)
+
+
+def apply_draft_head(draft: nn.Module, tokenizer, setting: int | str | None,
+                     always: Iterable[int] = ()) -> None:
+    """Limit a truncated or checkpoint draft's head as `--draft-head-tokens` says (nothing
+    for all tokens); `always`: ids it must score (the bundle's end-of-sequence ids)."""
+    n = draft_head_size(setting, draft.config.vocab_size)
+    if n is not None:
+        limit_draft_head(draft, head_subset_ids(tokenizer, draft.config.vocab_size, n, always))

@@ -3,9 +3,11 @@ for its family (`wrap`), the trace, and the tied head shared with the embedding 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import onnx
-import onnx.numpy_helper
 import torch
 from torch import nn
 
@@ -25,6 +27,7 @@ from specedge.export.graph.llama import LlamaFamilyDecoder
 from specedge.export.graph.olmo2 import Olmo2Decoder
 from specedge.export.graph.phi3 import Phi3Decoder
 from specedge.export.graph.stablelm import StableLmDecoder
+from specedge.export.onnx_files import load_array, load_graph, save_graph
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, graph_io
 
 OPSET = 21
@@ -62,37 +65,36 @@ def wrap(model: nn.Module, features: bool | nn.Module = False,
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def share_tied_head(path: str) -> bool:
-    """Make the LM head read the embedding table instead of its own transposed copy.
+def share_tied_head(model: onnx.ModelProto, folder: Path) -> bool:
+    """Make the LM head of the graph `model` read the embedding table instead of its own
+    transposed copy, in place; its tensors may be references into files in `folder`.
 
     The exporter folds `x @ W^T` into MatMul(x, W^T) with W^T stored as a second initializer;
-    for tied embeddings that is a duplicate of the largest tensor (113 MB for SmolLM2).
-    Gemm(x, W, transB=1) computes the same product from W itself.
+    for tied embeddings that is a duplicate of the largest tensor (113 MB for SmolLM2, 1 GB
+    for Llama 3.2 1B). Gemm(x, W, transB=1) computes the same product from W itself. One
+    pair of tables is in memory at a time.
     """
-    m = onnx.load(path)
-    inits = {i.name: i for i in m.graph.initializer}
-    gathers = [n.input[0] for n in m.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    inits = {i.name: i for i in model.graph.initializer}
+    tables = [n.input[0] for n in model.graph.node if n.op_type == "Gather" and
+              n.input[0] in inits and len(inits[n.input[0]].dims) == 2]
     changed = False
-    for node in m.graph.node:
-        if node.op_type != "MatMul" or node.input[1] not in inits:
+    for node in model.graph.node:
+        head = inits.get(node.input[1]) if node.op_type == "MatMul" else None
+        if head is None or len(head.dims) != 2:
             continue
-        head = onnx.numpy_helper.to_array(inits[node.input[1]])
-        for name in gathers:
-            table = inits[name]
-            if list(table.dims) == list(head.shape[::-1]) and np.array_equal(
-                    onnx.numpy_helper.to_array(table), head.T):
-                m.graph.initializer.remove(inits.pop(node.input[1]))
+        for name in tables:
+            if list(inits[name].dims) == list(head.dims)[::-1] and np.array_equal(
+                    load_array(inits[name], folder), load_array(head, folder).T):
+                model.graph.initializer.remove(inits.pop(node.input[1]))
                 node.op_type = "Gemm"
                 node.input[1] = name
                 node.attribute.append(onnx.helper.make_attribute("transB", 1))
                 changed = True
                 break
-    if changed:
-        onnx.save(m, path)
     return changed
 
 
-def export_onnx(model: nn.Module, path: str, share_head: bool = True,
+def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
                 features: bool | nn.Module = False, fused: bool = False) -> None:
     """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
 
@@ -123,9 +125,16 @@ def export_onnx(model: nn.Module, path: str, share_head: bool = True,
     if reads and fused:
         model.fuse_attention()
     module = model if reads else wrap(model, features, fused)
-    with torch.no_grad():
-        torch.onnx.export(module.eval(), args, path, input_names=inputs,
-                          output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
-                          dynamo=False)
-    if share_head and model.config.tie_word_embeddings:
-        share_tied_head(path)
+    path = Path(path)
+    # torch writes a graph over 2 GB as one file per tensor beside it: trace into a folder of
+    # its own, then gather the tensors into `path` (and its data file), one at a time.
+    with tempfile.TemporaryDirectory(prefix=".trace.", dir=path.parent) as work:
+        traced = Path(work) / "graph.onnx"
+        with torch.no_grad():
+            torch.onnx.export(module.eval(), args, str(traced), input_names=inputs,
+                              output_names=outputs, dynamic_axes=dynamic,
+                              opset_version=OPSET, dynamo=False)
+        graph = load_graph(traced)
+        if share_head and model.config.tie_word_embeddings:
+            share_tied_head(graph, Path(work))
+        save_graph(graph, Path(work), path)
