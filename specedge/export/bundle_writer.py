@@ -44,7 +44,7 @@ from specedge.export.quantize import (
     quantization_report,
     quantize_graph,
 )
-from specedge.export.sources import load_model, resolve_checkpoint
+from specedge.export.sources import GGUF_READER_REVISION, load_model, resolve_checkpoint
 from specedge.export.verify import (
     graph_features,
     graph_kv_layout,
@@ -206,6 +206,10 @@ def export_args(model: str, draft: str | None, draft_layers: int | None,
     # arguments (and stay up to date).
     if draft_layers is not None or (draft is not None and not is_distilled_draft(draft)):
         args["draft_head_tokens"] = "auto" if draft_head_tokens is None else draft_head_tokens
+    # A GGUF file is read through a config completed from its keys (export/gguf_config.py):
+    # a reader that reads the same file differently makes a different model.
+    if any(str(source).endswith(".gguf") for source in (model, draft) if source):
+        args["gguf_reader_revision"] = GGUF_READER_REVISION
     return args
 
 

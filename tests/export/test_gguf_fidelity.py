@@ -185,6 +185,21 @@ def test_rewritten_gguf_exports_the_new_model(tmp_path):
                               eos_token_id=EOS, pad_token_id=0)[0, len(PROMPT):].tolist() != want
 
 
+def test_a_bundle_from_an_older_gguf_reader_is_not_up_to_date(tmp_path, monkeypatch):
+    """The reader's revision is part of a GGUF bundle's export arguments: a bundle made by a
+    reader that read the file differently is exported again."""
+    from specedge.export import bundle_writer
+
+    path = written(tiny_model("llama"), tmp_path)
+    export_bundle(str(path), tmp_path / "b")
+    assert bundle_writer.is_current(tmp_path / "b", bundle_writer.export_args(
+        str(path), None, None, None, "fp32"))
+    monkeypatch.setattr(bundle_writer, "GGUF_READER_REVISION",
+                        bundle_writer.GGUF_READER_REVISION + 1)
+    assert not bundle_writer.is_current(tmp_path / "b", bundle_writer.export_args(
+        str(path), None, None, None, "fp32"))
+
+
 def llama3_divisors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
     """llama.cpp's rope_freqs for a Llama 3 scaling: transformers' base frequencies over
     its scaled ones."""
