@@ -85,6 +85,7 @@ from specedge.export.bundle_writer import ExportError, export_bundle
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.files import atomic_write, replacing
+from specedge.runtime.stats import expected_tokens_per_call
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
@@ -153,9 +154,7 @@ def expected_tokens(alpha: float, k: int) -> float:
     with probability `alpha`: 1 + alpha + ... + alpha^k."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if alpha == 1:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected_tokens_per_call(alpha, k)
 
 
 def predicted_speedup(alpha: float, k: int, c: float, r_k1: float) -> float:
