@@ -1,7 +1,7 @@
-"""`specedge <command>`: generate, export, build, distill, bench.
+"""`specedge <command>`: generate, chat, serve, export, build, distill, bench.
 
-Each command imports only what it needs, so `specedge generate` and `specedge build` run
-where torch is absent.
+Each command imports only what it needs, so `specedge generate`, `specedge chat`,
+`specedge serve` and `specedge build` run where torch is absent.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import argparse
 
 from specedge.bench.run import add_arguments as add_bench_arguments
 from specedge.export import cli as export_cli
+from specedge.runtime import chat_cli
 from specedge.runtime import cli as runtime_cli
 from specedge.runtime.errors import SpecEdgeError
+from specedge.serve import cli as serve_cli
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,7 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="specedge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     runtime_cli.add_generate(sub)
+    chat_cli.add_chat(sub)
     for name, help_text, add_arguments in (
+        ("serve", "an OpenAI-compatible HTTP server for a bundle (needs the serve extra: "
+         "pip install 'specedge[serve]')", serve_cli.add_serve_arguments),
         ("export", "Hugging Face model -> bundle (needs the export extra: pip install "
          "'specedge[export]')", export_cli.add_export_arguments),
         ("distill", "train a small draft for a target on text the target generates (needs "
@@ -50,6 +55,10 @@ def main(argv: list[str] | None = None) -> None:
         export_cli.run(args)
     elif args.command == "distill":
         export_cli.run_distill(args)
+    elif args.command == "serve":
+        serve_cli.run_serve(args)
+    elif args.command == "chat":
+        chat_cli.run_chat(args)
     else:
         runtime_cli.run_generate(args)
 

@@ -16,30 +16,44 @@ def add_generate(sub) -> None:
     p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--raw", action="store_true", help="skip the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-tokens", type=_k, default=None,
-                   help="K, tokens drafted per step, or 'auto' (default: auto when greedy, "
-                   "1 when sampling, so that --seed fixes the text)")
-    p.add_argument("--draft-threshold", type=float, default=0.0,
-                   help="stop drafting when the draft's probability for its token is below "
-                   "this (0 = off)")
-    p.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
-    p.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER,
-                   help="lookup+model (default): prompt lookup where the context repeats, "
-                   "the draft model elsewhere")
-    p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
-                   help="ort-cpu (default); ort-cuda and tensorrt need a GPU (tensorrt: "
-                   "engines from `specedge build`); host-emulated runs the GPU backends' "
-                   "code on the CPU, for testing")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    add_generation_flags(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding on the same prompt and print the speedup")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
+
+
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags `generate` and `chat` share: generation settings, drafting, backend and
+    CPU threads (`generation_settings` turns them into `Generator.stream` settings)."""
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-tokens", type=_k, default=None,
+                        help="K, tokens drafted per step, or 'auto' (default: auto when greedy, "
+                        "1 when sampling, so that --seed fixes the text)")
+    parser.add_argument("--draft-threshold", type=float, default=0.0,
+                        help="stop drafting when the draft's probability for its token is below "
+                        "this (0 = off)")
+    parser.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
+    parser.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER,
+                        help="lookup+model (default): prompt lookup where the context repeats, "
+                        "the draft model elsewhere")
+    parser.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
+                        help="ort-cpu (default); ort-cuda and tensorrt need a GPU (tensorrt: "
+                        "engines from `specedge build`); host-emulated runs the GPU backends' "
+                        "code on the CPU, for testing")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+
+
+def generation_settings(args: argparse.Namespace) -> dict:
+    """`Generator.stream` keyword arguments from the flags of `add_generation_flags`."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
+                draft_threshold=args.draft_threshold, drafter=args.drafter)
 
 
 def _k(value: str) -> int | str:
@@ -93,11 +107,7 @@ def _same_tokens(spec: list[int], plain: list[int], manifest: dict) -> str:
 def run_generate(args: argparse.Namespace) -> None:
     from specedge.runtime.generator import Generator
 
-    kwargs = dict(raw=args.raw, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed, draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
-                  draft_threshold=args.draft_threshold,
-                  drafter=args.drafter)
+    kwargs = dict(raw=args.raw, **generation_settings(args))
     try:
         gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
         if args.json:

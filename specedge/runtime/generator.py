@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Generator as PieceGenerator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +32,19 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: dict
-    stop_reason: str  # "eos", "stop_string" or "max_new_tokens"
+    stop_reason: str  # "eos", "stop_string", "max_new_tokens" or "cancelled"
 
 
 class Generator:
     """A bundle opened on a backend: `generate` and `stream` run exact speculative decoding
-    with its draft (or prompt lookup, or none). One generation at a time."""
+    with its draft (or prompt lookup, or none).
+
+    One generation runs at a time: the KV caches and auto K's measurements are the
+    generator's own. Calls from several threads are serialized: a second `generate`, or the
+    first step of a second `stream`, waits until the running generation ends (a stream ends
+    when it is exhausted or closed). A second generation started on the thread whose stream
+    is still open would wait for itself, so it raises RuntimeError instead.
+    """
 
     def __init__(self, bundle, target, draft, codec: TextCodec):
         self.bundle = bundle
@@ -50,6 +59,8 @@ class Generator:
             self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
         # What recent steps cost and accepted, for `auto`, kept across generations.
         self._histories = Histories()
+        self._lock = threading.Lock()  # held by the running generation
+        self._owner: int | None = None  # the thread that holds it
 
     @classmethod
     def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
@@ -59,6 +70,11 @@ class Generator:
         target = load_backend(backend, bundle, "target", threads)
         draft = load_backend(backend, bundle, "draft", threads) if bundle.draft else None
         return cls(bundle, target, draft, TextCodec(bundle))
+
+    def context_limit(self, config: GenerationConfig) -> int:
+        """Largest prompt + max_new_tokens for a generation with `config`: the target's
+        context, and the draft's if that generation runs it."""
+        return self.max_context(self._drafter(config))
 
     def max_context(self, drafter=None) -> int:
         """Largest prompt + new tokens: the target's context, and the draft's if it runs."""
@@ -70,27 +86,55 @@ class Generator:
     # ---- public API -----------------------------------------------------------------------
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        """Generate a completion; see `stream` for the arguments."""
-        for _ in self.stream(prompt, **kwargs):
-            pass
-        return self.last_result
+        """Generate a completion; see `stream` for the arguments. Returns this call's own
+        result, also when other threads generate at the same time."""
+        pieces = self._generation(prompt, **kwargs)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
 
-    def stream(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-               messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
-               config: GenerationConfig | None = None, **settings) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted; `self.last_result` holds the result.
+    def stream(self, prompt: str | None = None, **kwargs) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted; `self.last_result` then holds the result
+        (the last generation's to finish, on any thread).
 
         Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
         `prompt_ids` or `messages`. The settings are a `GenerationConfig` (`config`), its
         fields as keyword arguments (max_new_tokens, temperature, top_k, top_p, seed,
         draft_tokens, use_draft, drafter, draft_threshold, stop), or both: the keywords
         replace the config's values. With a stop string, `token_ids` ends with the token
-        that completes the text.
+        that completes the text. `cancel`, a `threading.Event`, ends the generation after
+        the step that is running when it is set (stop reason "cancelled").
         """
-        ids = self._prompt_ids(prompt, prompt_ids, messages, raw)
+        yield from self._generation(prompt, **kwargs)
+
+    def _generation(self, prompt: str | None = None, *,
+                    prompt_ids: Sequence[int] | None = None,
+                    messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
+                    config: GenerationConfig | None = None,
+                    cancel: threading.Event | None = None,
+                    **settings) -> PieceGenerator[str, None, GenerationResult]:
+        """`stream`'s pieces; returns the result (StopIteration.value)."""
+        ids = self.encode_prompt(prompt, prompt_ids, messages, raw)
         config = GenerationConfig.of(config, **settings)
-        proposer = make_drafter(config.drafter, self._model_drafter) if config.use_draft \
-            else None
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a generation is already running on this thread (a stream "
+                               "not yet exhausted): finish or close() it before starting "
+                               "another")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                result = yield from self._run(ids, config, cancel)
+            finally:
+                self._owner = None
+            self.last_result = result
+        return result
+
+    def _run(self, ids: list[int], config: GenerationConfig,
+             cancel: threading.Event | None) -> PieceGenerator[str, None, GenerationResult]:
+        """One generation; the caller holds the lock."""
+        proposer = self._drafter(config)
         context_limit = self.max_context(proposer)
         if len(ids) + config.max_new_tokens > context_limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
@@ -115,6 +159,9 @@ class Generator:
                         return
                 tokens.extend(chunk)
                 yield chunk
+                if cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+                    return
 
         # Text that could be the start of a stop string is held back until it is not.
         stops = config.stops
@@ -146,7 +193,7 @@ class Generator:
         stats = summarize(clock, len(tokens), "auto" if config.auto else config.k_max,
                           proposer.name if proposer else "none", self.target.name, reason)
         stats["sampling_on"] = state.choice.where
-        self.last_result = GenerationResult(text, tokens, stats, reason)
+        return GenerationResult(text, tokens, stats, reason)
 
     def _decoding(self, prompt: list[int], config: GenerationConfig, drafter) -> Decoding:
         """The state of one generation, with the target's cache ready for the prompt."""
@@ -162,10 +209,18 @@ class Generator:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    def _drafter(self, config: GenerationConfig):
+        return make_drafter(config.drafter, self._model_drafter) if config.use_draft else None
+
     def _model_seconds(self) -> float:
         return self.target.run_seconds + (self.draft.run_seconds if self.draft else 0.0)
 
-    def _prompt_ids(self, prompt, prompt_ids, messages, raw) -> list[int]:
+    def encode_prompt(self, prompt: str | None = None,
+                      prompt_ids: Sequence[int] | None = None,
+                      messages: Sequence[dict[str, str]] | None = None,
+                      raw: bool = False) -> list[int]:
+        """The token ids a generation starts from (exactly one of the three, as `stream`
+        takes them), with the same checks and messages."""
         given = [x is not None for x in (prompt, prompt_ids, messages)]
         if sum(given) != 1:
             raise ValueError("pass exactly one of prompt, prompt_ids or messages")

@@ -94,3 +94,28 @@ def test_cli_build_without_torch(tiny_bundle):
     assert r.stderr.strip() == ("specedge: error: TensorRT is not installed: pip install "
                                 "tensorrt (on Jetson it comes with JetPack); the ort-cpu "
                                 "backend works without it")
+
+
+def test_server_answers_without_torch(tiny_bundle):
+    """`specedge serve`'s app, driven in process through Starlette's test client."""
+    r = _run(f"""
+        import json, sys
+        from starlette.testclient import TestClient
+        from specedge.serve.app import ServerSettings, build_app
+        import time
+        app = build_app(ServerSettings(bundle={str(tiny_bundle)!r}, threads=1))
+        with TestClient(app) as client:
+            for _ in range(1200):  # a minute at most
+                if client.get("/health").status_code == 200:
+                    break
+                time.sleep(0.05)
+            reply = client.post("/v1/completions", json={{"prompt": "hello",
+                                "max_tokens": 8, "temperature": 0}}).json()
+        loaded = sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("torch", "transformers", "onnx"))
+        print(json.dumps({{"usage": reply["usage"], "loaded": loaded}}))
+    """)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["usage"]["completion_tokens"] > 0
+    assert result["loaded"] == []

@@ -1,0 +1,189 @@
+"""`specedge chat`: a conversation with a bundle in the terminal, on the runtime.
+
+Lines read from stdin are user messages; each reply streams to stdout as it is generated and
+joins the history, which goes back to the model as `messages` on the next turn. A line that
+is one of the commands below is not sent:
+
+    /stats         the last reply's speculative-decoding statistics
+    /reset         forget the conversation (the system message stays)
+    /system TEXT   set the system message (`/system` alone removes it)
+    /exit          quit (so do end of input and Ctrl-D)
+
+stdout carries only the replies (each ends with a newline), so piped input gives a
+transcript of the answers; statistics and notices go to stderr. Ctrl-C during a reply stops
+that reply and keeps the session; Ctrl-C at the prompt quits with exit status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import TextIO
+
+from specedge.runtime.cli import _summary, add_generation_flags, fail, generation_settings
+from specedge.runtime.config import GenerationConfig
+from specedge.runtime.errors import SpecEdgeError
+
+COMMANDS = ("/stats", "/reset", "/system", "/exit")
+# A line starting with a slash and a lower-case word is meant as a command (a typo is
+# reported, not sent); other lines starting with "/" (a path, say) are messages.
+_COMMAND_LIKE = re.compile(r"/[a-z]+(\s|$)")
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat with a bundle in the terminal (no torch needed)")
+    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`")
+    p.add_argument("--system", default=None, help="system message for the conversation")
+    add_generation_flags(p)
+    p.add_argument("--stats", action="store_true",
+                   help="print the speculative-decoding statistics after every reply")
+
+
+class Chat:
+    """A conversation on one generator: the system message, the turns so far, and the
+    statistics of the last reply."""
+
+    def __init__(self, gen, settings: dict, system: str | None = None,
+                 out: TextIO | None = None, err: TextIO | None = None):
+        self.gen = gen
+        self.settings = settings
+        self.system = system
+        self.turns: list[dict[str, str]] = []  # user and assistant messages, alternating
+        self.last_stats: dict | None = None
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        config = GenerationConfig.of(**settings)  # bad settings fail before the first turn
+        self.context = gen.context_limit(config)
+        self.max_new_tokens = config.max_new_tokens
+        if self.max_new_tokens >= self.context:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a "
+                             f"prompt in the bundle's context of {self.context} tokens; "
+                             "lower it")
+
+    def messages(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.turns
+
+    def command(self, line: str) -> bool:
+        """Run `line` if it is a command; False when it is a message to send. Raises
+        EOFError on /exit."""
+        if not _COMMAND_LIKE.match(line):
+            return False
+        name, _, rest = line.partition(" ")
+        if name == "/exit":
+            raise EOFError
+        if name == "/stats":
+            print(_summary(self.last_stats) if self.last_stats else
+                  "no statistics: no reply has finished yet", file=self.err)
+        elif name == "/reset":
+            self.turns.clear()
+            self.last_stats = None
+            print("conversation cleared" + (" (the system message stays)" if self.system
+                                            else ""), file=self.err)
+        elif name == "/system":
+            self.system = rest.strip() or None
+            print("system message " + ("set" if self.system else "removed"), file=self.err)
+        else:
+            print(f"unknown command {name}; the commands are {', '.join(COMMANDS)} "
+                  "(/system takes the message as TEXT)", file=self.err)
+        return True
+
+    def reply(self, text: str, show_stats: bool = False) -> None:
+        """Send one user message and stream the reply to `out`. Ctrl-C stops the reply; what
+        was shown of it stays in the history."""
+        self.turns.append({"role": "user", "content": text})
+        self.last_stats = None
+        if not self._fit():
+            self.turns.pop()
+            return
+        pieces: list[str] = []
+        stream = self.gen.stream(messages=self.messages(), **self.settings)
+        try:
+            for piece in stream:
+                pieces.append(piece)
+                print(piece, end="", file=self.out, flush=True)
+        except KeyboardInterrupt:
+            stream.close()
+            print(file=self.out, flush=True)
+            print("[reply stopped]", file=self.err)
+            self.turns.append({"role": "assistant", "content": "".join(pieces)})
+            return
+        except (ValueError, SpecEdgeError) as e:
+            stream.close()
+            if pieces:
+                print(file=self.out, flush=True)
+            print(f"specedge: error: {e}", file=self.err)
+            self.turns.pop()
+            return
+        print(file=self.out, flush=True)
+        result = self.gen.last_result
+        self.turns.append({"role": "assistant", "content": result.text})
+        self.last_stats = result.stats
+        if show_stats:
+            print(_summary(result.stats), file=self.err)
+
+    def _fit(self) -> bool:
+        """Drop the oldest turns (user message and reply) until the prompt plus
+        max_new_tokens fits the context; False if the newest message alone does not."""
+        dropped = 0
+        while True:
+            prompt = len(self.gen.codec.encode_chat(self.messages()))
+            if prompt + self.max_new_tokens <= self.context:
+                break
+            if len(self.turns) <= 1:
+                print(f"specedge: error: this message ({prompt} tokens with the chat "
+                      f"template) + --max-new-tokens {self.max_new_tokens} exceeds the "
+                      f"bundle's context of {self.context} tokens; send a shorter message or "
+                      "lower --max-new-tokens", file=self.err)
+                break
+            del self.turns[:2]
+            dropped += 1
+        if dropped:
+            print(f"[history over the context of {self.context} tokens: dropped the oldest "
+                  f"{dropped} turn{'s' if dropped > 1 else ''}]", file=self.err)
+        return prompt + self.max_new_tokens <= self.context
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    from specedge.runtime.generator import Generator
+
+    interactive = sys.stdin.isatty()
+    try:
+        gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
+        if not gen.codec.has_chat_template:
+            fail(f"the bundle {args.bundle} has no chat template, so it cannot hold a "
+                 "conversation; use `specedge generate --raw` for plain text completion")
+        chat = Chat(gen, generation_settings(args), system=args.system)
+    except (ValueError, SpecEdgeError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)
+    if interactive:
+        print(f"chatting with {args.bundle}; commands: {', '.join(COMMANDS)}; "
+              "Ctrl-C stops a reply, Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = _read(interactive)
+            if line.strip() and not chat.command(line.strip()):
+                chat.reply(line.rstrip("\r\n"), show_stats=args.stats)
+        except EOFError:
+            return
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            sys.exit(130)
+
+
+def _read(interactive: bool) -> str:
+    """The next line of input; EOFError at the end."""
+    if interactive:
+        try:
+            return input("> ")  # line editing where readline is available
+        except EOFError:
+            print(file=sys.stderr)  # end the prompt's line
+            raise
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line

@@ -1,0 +1,438 @@
+"""The OpenAI-compatible app: one bundle, one worker, the routes `specedge serve` answers.
+
+    POST /v1/chat/completions, /v1/completions   generation, whole or streamed (SSE)
+    GET  /v1/models                              the one model
+    POST /tokenize, /detokenize                  the bundle's tokenizer
+    GET  /health                                 200 ready; 503 loading, draining, stalled
+    GET  /metrics                                Prometheus (metrics.py)
+
+A request is checked (key, size, JSON, fields, the runtime's own setting checks, context
+length) on the event loop, its prompt encoded in a thread, and only then queued, so a bad
+request never takes a queue slot. Every error is OpenAI's shape (protocol.APIError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from specedge.runtime.config import DEFAULT_DRAFTER, GenerationConfig, check_token_ids
+from specedge.runtime.generator import GenerationResult, Generator
+from specedge.serve.metrics import ServerMetrics
+from specedge.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Framing,
+    TokenizeRequest,
+    bad_request,
+    parse,
+)
+from specedge.serve.streaming import (
+    DONE,
+    KEEPALIVE,
+    ClientGone,
+    EventStream,
+    ended_early,
+    job_events,
+    sse,
+)
+from specedge.serve.worker import Job, QueueFull, Worker
+
+log = logging.getLogger("specedge.serve")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """`specedge serve`'s settings (its flags, in cli.py)."""
+
+    bundle: str
+    backend: str = "ort-cpu"
+    threads: int | None = None
+    model_name: str | None = None        # default: the bundle folder's name
+    api_key: str | None = None           # None: no key asked for
+    max_queue: int = 32                  # requests waiting beyond the running one
+    request_timeout: float = 600.0       # seconds from arrival to the last token
+    shutdown_timeout: float = 30.0       # seconds SIGTERM waits for in-flight requests
+    draft_tokens: int | str | None = None  # a request's K unless it sets its own
+    drafter: str = DEFAULT_DRAFTER
+    max_body_bytes: int = 2 * 2**20
+    max_messages: int = 512
+    max_tokens: int = 4096               # the most tokens one request may ask for
+    keepalive: float = 15.0              # SSE comment after this many silent seconds
+    stall_timeout: float = 120.0         # /health: 503 when no token for this long
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.bundle).resolve().name
+
+
+class Server:
+    """The app's state: the worker, the metrics, and where the server is in its life:
+    "loading", "ready", "draining" (SIGTERM: finishing in-flight requests) or "failed"."""
+
+    def __init__(self, settings: ServerSettings, load: Callable[[], Generator]):
+        self.settings = settings
+        self.load = load
+        self.metrics = ServerMetrics()
+        self.worker = Worker(settings.max_queue, self.metrics.queue_changed)
+        self.phase = "loading"
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] = lambda message: None
+
+    # ---- life -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.worker.start()
+        threading.Thread(target=self._load, name="specedge-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            generator = self.load()
+            # One short generation, so the first request does not pay for the first call.
+            generator.generate(prompt_ids=[0], max_new_tokens=2, use_draft=False)
+        except Exception as e:  # any failure to open the bundle ends the server
+            self.failure = str(e) or type(e).__name__
+            self.phase = "failed"
+            log.error("cannot load the bundle: %s", self.failure)
+            self.on_failure(self.failure)
+            return
+        self.worker.generator = generator
+        if self.phase == "loading":
+            self.phase = "ready"
+            log.info("ready: %s on %s", self.settings.name, self.settings.backend)
+
+    def drain(self) -> None:
+        """Stop taking requests; those in flight go on."""
+        self.phase = "draining"
+
+    def stop(self) -> None:
+        self.worker.withdraw_all("shutdown")
+        self.worker.stop()
+
+    # ---- checks -----------------------------------------------------------------------------
+
+    def check_key(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send the header "
+                           "'Authorization: Bearer KEY' with the server's key",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_ready(self) -> Generator:
+        if self.phase == "ready" and self.worker.generator is not None:
+            return self.worker.generator
+        message = {"loading": "the model is still loading; retry in a few seconds",
+                   "draining": "the server is shutting down and takes no new requests",
+                   "failed": f"the model failed to load: {self.failure}"}[self.phase]
+        raise APIError(503, message, type="server_error", code=f"model_{self.phase}"
+                       if self.phase != "draining" else "shutting_down",
+                       headers={"Retry-After": "5"} if self.phase == "loading" else None)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server has "
+                           f"{self.settings.name!r}", param="model", code="model_not_found")
+
+    async def read_json(self, request: Request) -> object:
+        limit = self.settings.max_body_bytes
+        too_big = APIError(413, f"the request body is over the server's limit of {limit} "
+                           "bytes (--max-body-bytes)", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+    def stalled(self) -> float:
+        """Seconds the running generation has gone without a token (0 when idle)."""
+        if self.worker.running is None:
+            return 0.0
+        return time.monotonic() - self.worker.last_progress
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def prepare(self, request: Request, chat: bool
+                      ) -> tuple[ChatRequest | CompletionRequest, list[int], GenerationConfig]:
+        """Every check that can fail before the request takes a queue slot."""
+        self.check_key(request)
+        generator = self.check_ready()
+        req = parse(ChatRequest if chat else CompletionRequest, await self.read_json(request))
+        if unknown := req.unknown_fields():
+            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+        req.check_supported()
+        self.check_model(req.model)
+        if chat and len(req.messages) > self.settings.max_messages:
+            raise bad_request(f"{len(req.messages)} messages is over the server's limit of "
+                              f"{self.settings.max_messages} (--max-messages)",
+                              param="messages")
+        ids = await asyncio.to_thread(self._encode, generator, req)
+        asked = req.requested_tokens()
+        if asked is not None and asked > self.settings.max_tokens:
+            raise bad_request(f"max_tokens {asked} is over the server's limit of "
+                              f"{self.settings.max_tokens} (--max-tokens)",
+                              param="max_tokens")
+        config = req.generation_config(asked or 1, self.settings.draft_tokens,
+                                       self.settings.drafter)
+        try:
+            context = generator.context_limit(config)
+        except ValueError as e:
+            raise bad_request(str(e), param="speculative") from e
+        room = context - len(ids)
+        if room < (asked or 1):
+            raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens "
+                              f"({asked or 1}) is over the model's context of {context} "
+                              "tokens; shorten the prompt or ask for fewer tokens",
+                              param="messages" if chat else "prompt",
+                              code="context_length_exceeded")
+        new_tokens = asked or min(room, self.settings.max_tokens)
+        return req, ids, GenerationConfig.of(config, max_new_tokens=new_tokens)
+
+    @staticmethod
+    def _encode(generator: Generator, req: ChatRequest | CompletionRequest) -> list[int]:
+        try:
+            if isinstance(req, ChatRequest):
+                return generator.encode_prompt(messages=req.chat_messages())
+            if isinstance(req.prompt, list):
+                return generator.encode_prompt(prompt_ids=req.prompt)
+            return generator.encode_prompt(req.prompt, raw=True)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages" if isinstance(req, ChatRequest)
+                              else "prompt") from e
+
+    def submit(self, ids: list[int], config: GenerationConfig) -> Job:
+        job = Job({"prompt_ids": ids, "config": config}, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise APIError(429, f"the server is busy: {self.worker.max_queue} requests are "
+                           "already waiting; retry shortly", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        return job
+
+    def events(self, job: Job, receive) -> AsyncIterator[tuple[str, object]]:
+        s = self.settings
+        return job_events(job, self.worker, receive, s.request_timeout, s.keepalive)
+
+    def finished(self, job: Job, result: GenerationResult, prompt_tokens: int) -> None:
+        self.metrics.generation(result.stats, prompt_tokens, time.monotonic() - job.arrived)
+
+    async def whole(self, request: Request, job: Job, ids: list[int], chat: bool) -> dict:
+        """A non-streamed completion."""
+        first = True
+        async for kind, value in self.events(job, request.receive):
+            if kind == "piece" and first:
+                self.metrics.ttft.observe(time.monotonic() - job.arrived)
+                first = False
+            elif kind == "error":
+                raise _as_api_error(value)
+            elif kind == "done":
+                if value is None or value.stop_reason == "cancelled":
+                    raise ended_early(job, "the server shut down before the answer was done")
+                self.finished(job, value, len(ids))
+                return Framing(chat, self.settings.name).whole(value, len(ids))
+        raise ClientGone  # the events end only with done or error
+
+    def streamed(self, request: Request, job: Job, ids: list[int], chat: bool,
+                 usage: bool) -> EventStream:
+        framing = Framing(chat, self.settings.name)
+        endpoint = request.url.path
+
+        async def frames(receive) -> AsyncIterator[bytes]:
+            status = 200
+            try:
+                if chat:
+                    yield sse(framing.chunk(role=True, usage_field=usage))
+                first = True
+                async for kind, value in self.events(job, receive):
+                    if kind == "keepalive":
+                        yield KEEPALIVE
+                    elif kind == "piece":
+                        if first:
+                            self.metrics.ttft.observe(time.monotonic() - job.arrived)
+                            first = False
+                        yield sse(framing.chunk(value, usage_field=usage))
+                    elif kind == "error":
+                        raise _as_api_error(value)
+                    elif value is None or value.stop_reason == "cancelled":
+                        raise ended_early(job, "the server shut down before the answer "
+                                          "was done")
+                    else:
+                        self.finished(job, value, len(ids))
+                        yield sse(framing.chunk(finish=value, usage_field=usage))
+                        if usage:
+                            yield sse(framing.usage_chunk(value, len(ids)))
+                yield DONE
+            except APIError as e:
+                # The status line is sent: the error goes as the stream's last event.
+                status = e.status
+                yield sse(e.body())
+                yield DONE
+            except ClientGone:
+                status = 499
+            finally:
+                self.metrics.requests.labels(endpoint, str(status)).inc()
+
+        return EventStream(frames)
+
+    # ---- routes -----------------------------------------------------------------------------
+
+    async def completions(self, request: Request, chat: bool) -> Response:
+        req, ids, config = await self.prepare(request, chat)
+        job = self.submit(ids, config)
+        if req.stream:
+            return self.streamed(request, job, ids, chat, req.include_usage)
+        return JSONResponse(await self.whole(request, job, ids, chat))
+
+    async def tokenize(self, request: Request) -> dict:
+        self.check_key(request)
+        generator = self.check_ready()
+        req = parse(TokenizeRequest, await self.read_json(request))
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'")
+        try:
+            if req.messages is not None:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                ids = await asyncio.to_thread(generator.encode_prompt, messages=messages)
+            else:
+                ids = await asyncio.to_thread(generator.encode_prompt, req.prompt, raw=True)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        return {"count": len(ids), "max_model_len": generator.bundle.target.max_context,
+                "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict:
+        self.check_key(request)
+        generator = self.check_ready()
+        req = parse(DetokenizeRequest, await self.read_json(request))
+        self.check_model(req.model)
+        try:
+            ids = check_token_ids(req.tokens, generator.bundle.target.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e).replace("prompt_ids", "tokens"), param="tokens") from e
+        return {"prompt": generator.codec.decode(ids)}
+
+    def models(self, request: Request) -> dict:
+        self.check_key(request)
+        generator = self.check_ready()
+        return {"object": "list", "data": [{
+            "id": self.settings.name, "object": "model", "created": 0, "owned_by": "specedge",
+            "max_model_len": generator.bundle.target.max_context}]}
+
+    def health(self) -> Response:
+        stalled = self.stalled()
+        if self.phase != "ready":
+            body = {"status": self.phase} | ({"error": self.failure} if self.failure else {})
+            return JSONResponse(body, status_code=503)
+        if not self.worker.thread.is_alive():
+            return JSONResponse({"status": "failed", "error": "the worker thread died"},
+                                status_code=503)
+        if stalled > self.settings.stall_timeout:
+            return JSONResponse({"status": "stalled", "error": f"no token for {stalled:.0f} s"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "waiting": self.worker.waiting,
+                             "running": int(self.worker.running is not None)})
+
+
+def _as_api_error(error: BaseException) -> APIError:
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return bad_request(str(error))
+    return APIError(500, f"generation failed: {error}", type="server_error")
+
+
+def _json(endpoint: str, server: Server, handler) -> Callable:
+    """A route that answers the handler's dict as JSON, an APIError in OpenAI's shape, and
+    counts the status."""
+
+    async def route(request: Request) -> Response:
+        try:
+            result = handler(request)
+            if asyncio.iscoroutine(result):
+                result = await result
+            response = result if isinstance(result, (Response, EventStream)) \
+                else JSONResponse(result)
+        except APIError as e:
+            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except ClientGone:
+            response = Response(status_code=499)
+        if not isinstance(response, EventStream):
+            server.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    return route
+
+
+def build_app(settings: ServerSettings, load: Callable[[], Generator] | None = None,
+              server: Server | None = None) -> Starlette:
+    """The Starlette app for `settings`; `load` opens the bundle (Generator.from_bundle by
+    default), on a thread after start-up, so /health answers 503 while it runs."""
+    if server is None:
+        server = Server(settings, load or (lambda: Generator.from_bundle(
+            settings.bundle, backend=settings.backend, threads=settings.threads)))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.start()
+        yield
+        server.stop()
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                         f"{exc.detail}", code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s", request.url.path)
+        error = APIError(500, f"internal error: {exc}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    def metrics(request: Request) -> Response:
+        return Response(generate_latest(server.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/chat/completions", _json("/v1/chat/completions", server,
+              lambda r: server.completions(r, chat=True)), methods=["POST"]),
+        Route("/v1/completions", _json("/v1/completions", server,
+              lambda r: server.completions(r, chat=False)), methods=["POST"]),
+        Route("/v1/models", _json("/v1/models", server, server.models), methods=["GET"]),
+        Route("/tokenize", _json("/tokenize", server, server.tokenize), methods=["POST"]),
+        Route("/detokenize", _json("/detokenize", server, server.detokenize),
+              methods=["POST"]),
+        Route("/health", lambda r: server.health(), methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: not_found, Exception: server_error})
+    app.state.server = server
+    return app

@@ -1,0 +1,158 @@
+"""`specedge serve`: the command line, and the uvicorn server that drains on SIGTERM.
+
+uvicorn on its own stops listening at the first SIGTERM, so a client that connects during
+shutdown gets "connection refused", and it re-raises the signal at exit, so the process
+ends with status -15. Here the first SIGTERM (or Ctrl-C) only drains: new requests get 503
+while those in flight finish, up to --shutdown-timeout; those still running then end with
+an error event, and the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from specedge.runtime.backends import BACKENDS
+from specedge.runtime.bundle import load_bundle
+from specedge.runtime.cli import _k, fail
+from specedge.runtime.config import DEFAULT_DRAFTER, DRAFTERS, check_threads
+from specedge.runtime.errors import SpecEdgeError
+
+log = logging.getLogger("specedge.serve")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 for every interface, with an API key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=BACKENDS, default="ort-cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--model-name", default=None,
+                   help="the model's name in the API (default: the bundle folder's name)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (default: $SPECEDGE_API_KEY "
+                     "if set; a key on the command line shows in the process list, so "
+                     "prefer --api-key-file or the variable)")
+    key.add_argument("--api-key-file", type=Path, default=None,
+                     help="read the API key from this file")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests that may wait for the generator; more get 429 (default 32)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from a request's arrival to its last token (default 600)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+    p.add_argument("--draft-tokens", type=_k, default=None,
+                   help="K for requests that do not set their own: an integer or 'auto' "
+                   "(default: auto when greedy, 1 when sampling)")
+    p.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER)
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="the most tokens one request may ask for (default 4096)")
+    p.add_argument("--max-messages", type=int, default=512)
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20)
+    p.add_argument("--keepalive", type=float, default=15.0,
+                   help="seconds of silence before a stream sends a keep-alive comment")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().strip()
+        except OSError as e:
+            fail(f"cannot read the API key file: {e}")
+        if not key:
+            fail(f"the API key file {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get("SPECEDGE_API_KEY") or None
+
+
+def _settings(args: argparse.Namespace):
+    from specedge.serve.app import ServerSettings
+
+    for name in ("max_queue", "max_tokens", "max_messages", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("request_timeout", "shutdown_timeout", "keepalive"):
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if not 0 <= args.port < 65536:
+        fail(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        check_threads(args.threads)
+    except ValueError as e:
+        fail(str(e))
+    return ServerSettings(
+        bundle=args.bundle, backend=args.backend, threads=args.threads,
+        model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
+        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+        draft_tokens=args.draft_tokens, drafter=args.drafter, max_tokens=args.max_tokens,
+        max_messages=args.max_messages, max_body_bytes=args.max_body_bytes,
+        keepalive=args.keepalive)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+
+        from specedge.serve.app import Server, build_app
+    except ImportError as e:
+        fail(f"`specedge serve` needs the serve extra (missing {e.name}): "
+             "pip install 'specedge[serve]'")
+    settings = _settings(args)
+    try:
+        load_bundle(settings.bundle)  # a bad folder fails here, before the port opens
+    except SpecEdgeError as e:
+        fail(str(e))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s:     %(name)s: %(message)s")
+    from specedge.runtime.generator import Generator
+
+    server = Server(settings, lambda: Generator.from_bundle(
+        settings.bundle, backend=settings.backend, threads=settings.threads))
+    app = build_app(settings, server=server)
+
+    class DrainingServer(uvicorn.Server):
+        drain_deadline: float | None = None
+        exit_code = 0
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.drain_deadline is not None or server.phase != "ready":
+                self.force_exit = self.drain_deadline is not None
+                self.should_exit = True
+                return
+            log.info("draining: no new requests; waiting up to %g s for %d in flight",
+                     settings.shutdown_timeout, server.worker.waiting
+                     + int(server.worker.running is not None))
+            server.drain()
+            self.drain_deadline = time.monotonic() + settings.shutdown_timeout
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_deadline is not None and not self.should_exit:
+                if server.worker.idle:
+                    self.should_exit = True
+                elif time.monotonic() >= self.drain_deadline:
+                    log.warning("shutdown timeout: stopping the requests still in flight")
+                    server.worker.withdraw_all("shutdown")
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+        def failed(self, message: str) -> None:
+            self.exit_code = 1
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    runner = DrainingServer(config)
+    server.on_failure = runner.failed
+    runner.run()
+    if runner.exit_code:
+        fail(f"cannot serve {settings.bundle}: {server.failure}")
+    sys.exit(0)
