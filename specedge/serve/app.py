@@ -168,7 +168,7 @@ class Server:
                 raise too_big
         try:
             return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
 
     def stalled(self) -> float:

@@ -169,12 +169,18 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"] if not str(x).startswith(("str", "list[",
-                                                                               "int", "literal")))
+        where = ".".join(str(x) for x in first["loc"] if not _union_tag(x))
         value = first.get("input")
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise bad_request(f"{where or 'body'}: {first['msg']} (got {shown})",
                           param=where or None) from None
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a part of a pydantic error location names a member of a union (`str`,
+    `list[str]`, `literal['auto']`) rather than a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or part.startswith(("list[", "literal[", "dict[")))
 
 
 # ---- responses ------------------------------------------------------------------------------
