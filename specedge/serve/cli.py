@@ -30,7 +30,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; "
                    "0.0.0.0 for every interface, with an API key)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--backend", choices=BACKENDS, default="ort-cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     p.add_argument("--model-name", default=None,
@@ -113,6 +113,9 @@ def run_serve(args: argparse.Namespace) -> None:
         fail(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
+    if settings.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who reaches this port can "
+                    "use the model; set --api-key-file or $SPECEDGE_API_KEY", args.host)
     from specedge.runtime.generator import Generator
 
     server = Server(settings, lambda: Generator.from_bundle(

@@ -1,0 +1,141 @@
+"""scripts/bench_serve.py: its confidence interval, and the whole script on the tiny bundle
+(`specedge serve` and the in-process Generator measured and reported, llama.cpp left out).
+No timing is asserted: only that every figure is there, positive and consistent."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+
+import bench_serve  # noqa: E402
+from bench_serve import (  # noqa: E402
+    IN_PLAIN,
+    IN_SPEC,
+    PLAIN,
+    SPEC,
+    Answer,
+    import_error,
+    main,
+    ratio_ci,
+    select_prompts,
+)
+
+TOP_FIELDS = {"machine", "date", "git_commit", "command", "bundle", "precision", "threads",
+              "rounds", "concurrency", "prompts", "prompt_indices", "prompt_categories",
+              "max_tokens", "greedy", "stream", "systems", "ratios", "llama_cpp",
+              "prompt_tokens_first", "load_average"}
+
+
+def test_ratio_ci_by_hand():
+    # Three rounds: logs of 1, 2 and 4 are 0, ln 2, 2 ln 2; mean ln 2, sd ln 2, t(2) = 4.303.
+    r = ratio_ci([1.0, 2.0, 4.0])
+    half = 4.303 * math.log(2) / math.sqrt(3)
+    assert r["median"] == 2.0
+    assert r["ci95"] == pytest.approx([2 * math.exp(-half), 2 * math.exp(half)])
+    # Equal rounds: no spread; one round: no interval.
+    assert ratio_ci([1.1, 1.1, 1.1])["ci95"] == pytest.approx([1.1, 1.1])
+    assert ratio_ci([0.9])["ci95"] is None
+    with pytest.raises(ValueError, match="positive"):
+        ratio_ci([1.0, 0.0])
+
+
+def test_answer_timings():
+    a = Answer(arrivals=[0.5, 0.6, 0.8, 0.9], tokens=7)
+    assert a.ttft == 0.5
+    assert a.gaps == pytest.approx([0.1, 0.2, 0.1])
+    assert a.tpot == pytest.approx(0.4 / 6)
+    assert Answer(arrivals=[0.5], tokens=1).tpot is None and Answer().ttft is None
+
+
+def test_prompts_spread_over_the_categories():
+    prompts = select_prompts(4)
+    assert len({p["category"] for p in prompts}) >= 3
+    assert [p["index"] for p in prompts] == sorted({p["index"] for p in prompts})
+
+
+def test_a_module_that_does_not_import_says_why():
+    assert import_error("json") is None
+    assert "specedge_no_such_module" in import_error("specedge_no_such_module")
+
+
+def test_script_on_the_tiny_bundle(tiny_bundle, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    max_tokens = 8
+    main(["--bundle", str(tiny_bundle), "--no-llama-cpp", "--rounds", "2", "--concurrency",
+          "1", "2", "--prompts", "3", "--max-tokens", str(max_tokens), "--threads", "1",
+          "--out", str(out)])
+    results = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+
+    assert set(results) == TOP_FIELDS
+    assert results["machine"]["cpu"] and results["machine"]["cores"] >= 1
+    assert datetime.datetime.fromisoformat(results["date"]).tzinfo is not None
+    assert "--no-llama-cpp" in results["command"]
+    assert (results["rounds"], results["concurrency"], results["prompts"]) == (2, [1, 2], 3)
+    assert results["llama_cpp"] == {"skipped": "--no-llama-cpp"}
+    assert "llama.cpp server skipped: --no-llama-cpp" in printed
+    # The server and the Generator see the same prompt tokens.
+    counts = results["prompt_tokens_first"]
+    assert counts[SPEC] == counts["in-process"] > 0
+
+    systems = results["systems"]
+    assert list(systems) == [SPEC, PLAIN, IN_SPEC, IN_PLAIN]
+    assert set(systems[SPEC]) == set(systems[PLAIN]) == {"1", "2"}
+    assert set(systems[IN_SPEC]) == set(systems[IN_PLAIN]) == {"1"}
+    for name, by_c in systems.items():
+        for c, row in by_c.items():
+            assert row["errors"] == 0, row.get("first_error")
+            assert row["requests"] == 2 * 3  # two rounds of three prompts
+            assert 0 < row["completion_tokens"] <= row["requests"] * max_tokens
+            assert sum(row["finish_reasons"].values()) == row["requests"]
+            assert set(row["finish_reasons"]) <= {"length", "stop"}
+            assert row["requests_per_second"] > 0 and row["tokens_per_second"] > 0
+            assert len(row["rounds"]) == 2
+            for key in ("ttft_ms", "itl_ms", "tpot_ms"):
+                assert 0 < row[key]["p50"] <= row[key]["p99"], (name, c, key)
+            assert row["tokens_per_target_call"] >= 1
+            cells = f"| {name} | {c} | {row['requests_per_second']:.2f} | " \
+                    f"{row['tokens_per_second']:.1f} | {row['ttft_ms']['p50']:.1f} |"
+            assert cells in printed
+    # Plain decoding makes one target call a token.
+    assert systems[PLAIN]["1"]["tokens_per_target_call"] == pytest.approx(1.0)
+
+    quoted = {(r["ratio"], r["concurrency"]): r for r in results["ratios"]}
+    assert set(quoted) == {(f"{SPEC} / {PLAIN} tok/s", 1), (f"{SPEC} / {PLAIN} tok/s", 2),
+                           (f"{SPEC} / {IN_SPEC} tok/s", 1),
+                           (f"{PLAIN} / {IN_PLAIN} tok/s", 1)}
+    for (name, c), r in quoted.items():
+        assert len(r["rounds"]) == 2 and r["median"] > 0
+        lo, hi = r["ci95"]
+        assert lo <= r["median"] <= hi
+        assert f"| {name} | {c} | {r['median']:.3f} | {lo:.2f}–{hi:.2f} |" in printed
+    assert quoted[f"{SPEC} / {IN_SPEC} tok/s", 1]["goal"] == ">= 0.95"
+
+
+def test_a_bad_bundle_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--bundle", str(tmp_path), "--no-llama-cpp", "--out", str(tmp_path / "x.json")])
+    assert "not a bundle" in capsys.readouterr().err
+
+
+def test_quick_mode_settings(monkeypatch, tmp_path):
+    seen = {}
+
+    def measure(bundle, gguf, threads, rounds, concurrency, prompts, max_tokens, cache, llama):
+        seen.update(rounds=rounds, concurrency=concurrency, prompts=len(prompts))
+        return {"systems": {}, "ratios": [], "llama_cpp": {"skipped": "test"},
+                "prompt_tokens_first": {}}
+
+    monkeypatch.setattr(bench_serve, "measure", measure)
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text("{}")
+    main(["--bundle", str(bundle), "--quick", "--out", str(tmp_path / "q.json")])
+    assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4}
