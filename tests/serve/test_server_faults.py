@@ -111,10 +111,11 @@ def slow_server(slow_bundle, tmp_path_factory) -> Iterator[tuple[ServerProcess, 
 
 @pytest.fixture(scope="module")
 def timeout_server(slow_bundle, tmp_path_factory) -> Iterator[ServerProcess]:
-    """Requests stopped after 3 s; on SIGTERM, in-flight requests get 0.5 s."""
+    """Requests stopped after 3 s; on SIGTERM, in-flight requests get 0.5 s; a stream sends a
+    keep-alive comment after 0.3 s of silence."""
     with run_server(slow_bundle, tmp_path_factory.mktemp("serve-timeout"),
                     "--request-timeout", "3", "--shutdown-timeout", "0.5",
-                    "--model-name", "slow") as server:
+                    "--keepalive", "0.3", "--model-name", "slow") as server:
         yield server
 
 
@@ -556,6 +557,31 @@ def test_request_timeout(timeout_server):
     assert requests_count(m, "/v1/chat/completions", 504) == 2
     r = httpx.post(url, json=chat_body("short", 5), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_stream_waiting_in_the_queue_sends_keep_alive_comments(timeout_server):
+    """A stream queued behind a long request gets only its role chunk, then keep-alive
+    comments every 0.3 s while it waits, then the timeout's error event: the connection
+    never goes silent."""
+    server = timeout_server
+    url = server.url + "/v1/chat/completions"
+    busy = threading.Thread(target=lambda: httpx.post(url, json=chat_body("long", LONG),
+                                                      timeout=60))
+    busy.start()
+    wait_for(server, running=1, waiting=0)
+    with httpx.Client(timeout=60) as http, \
+            http.stream("POST", url, json=chat_body("queued", LONG, stream=True)) as r:
+        lines = [line for line in r.iter_lines() if line]
+    busy.join()
+    comments = [i for i, line in enumerate(lines) if line == ": keep-alive"]
+    content = [i for i, line in enumerate(lines) if '"content":"' in line and
+               '"content":""' not in line]
+    # ~3 s in the queue at one comment per 0.3 s, all before the first generated text (the
+    # queued request may start just before its own deadline).
+    assert len(comments) >= 4, lines
+    assert not content or content[0] > comments[3], lines
+    assert '"code":"request_timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
+    wait_idle(server, within=1.0)
 
 
 def test_shutdown_timeout_ends_what_is_still_running(timeout_server):
