@@ -57,10 +57,9 @@ class ServerProcess:
             raise
 
 
-@contextmanager
-def run_server(bundle: Path, tmp_path: Path, *flags: str,
-               env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """`specedge serve --bundle BUNDLE FLAGS` on a free port, once /health answers 200."""
+def start_server(bundle: Path, tmp_path: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """`specedge serve --bundle BUNDLE FLAGS` started on a free port, its output in a log."""
     port = free_port()
     log = tmp_path / f"server-{port}.log"
     with open(log, "wb") as out:
@@ -68,7 +67,15 @@ def run_server(bundle: Path, tmp_path: Path, *flags: str,
             [sys.executable, "-m", "specedge.cli", "serve", "--bundle", str(bundle),
              "--port", str(port), "--threads", "1", *flags],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(proc, port, log)
+    return ServerProcess(proc, port, log)
+
+
+@contextmanager
+def run_server(bundle: Path, tmp_path: Path, *flags: str,
+               env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """`start_server`, yielded once /health answers 200; killed at the end."""
+    server = start_server(bundle, tmp_path, *flags, env=env)
+    proc = server.proc
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while True:

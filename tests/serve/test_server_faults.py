@@ -13,8 +13,6 @@ import json
 import re
 import secrets
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve.conftest import START_TIMEOUT, ServerProcess, free_port, run_server
+from serve.conftest import START_TIMEOUT, ServerProcess, run_server, start_server
 
 from specedge.runtime.config import GenerationConfig
 
@@ -67,14 +65,8 @@ def watched_server(bundle: Path, tmp_path: Path, *flags: str
     """Like conftest's run_server, but polls from the moment the process starts and records
     what it saw until /health answered 200: ("health", status, body) and, at the first 503,
     ("chat", status, headers, body) for a completion sent while the bundle loads."""
-    port = free_port()
-    log = tmp_path / f"server-{port}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specedge.cli", "serve", "--bundle", str(bundle),
-             "--port", str(port), "--threads", "1", *flags],
-            stdout=out, stderr=subprocess.STDOUT)
-    server = ServerProcess(proc, port, log)
+    server = start_server(bundle, tmp_path, *flags)
+    proc = server.proc
     seen: list = []
     try:
         deadline = time.monotonic() + START_TIMEOUT
