@@ -3,6 +3,9 @@ and their aggregate figures."""
 
 from __future__ import annotations
 
+import math
+
+from specedge.prompts import prompt_input
 from specedge.runtime import Generator
 from specedge.runtime.stats import TOTALS, rates
 
@@ -35,13 +38,29 @@ def configurations(ks: list[int], has_draft: bool) -> list[tuple[str, dict]]:
     return configs
 
 
+# Why --quick measures prompt lookup on a bundle without a draft model.
+NO_DRAFT_QUICK = ("this bundle has no draft model, so the runtime's default drafter cannot "
+                  "run: --quick compares plain decoding with prompt lookup instead")
+
+
+def quick_configurations(has_draft: bool) -> list[tuple[str, dict]]:
+    """`--quick`: plain decoding and the runtime's defaults (what `Generator.generate` does
+    when given no drafting settings: greedy, its default drafter and draft_tokens). Those
+    need a draft model; without one, prompt lookup with its default draft_tokens stands in
+    (NO_DRAFT_QUICK)."""
+    second = (("greedy/default", {}) if has_draft
+              else ("greedy/prompt-lookup auto", {"drafter": "prompt-lookup"}))
+    return [("greedy/plain", {"use_draft": False}), second]
+
+
 def run_ours(gen: Generator, prompts: list[dict], configs: list[tuple[str, dict]],
              max_new_tokens: int, progress=None) -> dict[str, list[dict]]:
     """Per configuration, the stats of every prompt (same order as `prompts`)."""
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for i, p in enumerate(prompts):
         for name, kwargs in configs:
-            out = gen.generate(p["prompt"], max_new_tokens=max_new_tokens, seed=i, **kwargs)
+            out = gen.generate(**prompt_input(p), max_new_tokens=max_new_tokens, seed=i,
+                               **kwargs)
             runs[name].append({**out.stats, "category": p["category"]})
             if progress:
                 progress.update()
@@ -57,3 +76,20 @@ def aggregate(stats: list[dict]) -> dict:
     row = rates(totals, generations=len(stats))
     return {"tokens": totals["tokens_generated"],
             "tokens_per_second": row.pop("decode_tokens_per_second"), **row}
+
+
+def per_prompt_speedups(stats: list[dict], plain: list[dict]) -> list[float | None]:
+    """Per prompt, decode tokens per second over plain decoding's on the same prompt; None
+    where either decoded nothing (the first token came from the prompt's prefill and the
+    generation stopped there)."""
+    speedups = []
+    for s, p in zip(stats, plain, strict=True):
+        ours, base = (aggregate([x])["tokens_per_second"] for x in (s, p))
+        speedups.append(ours / base if ours > 0 and base > 0 else None)
+    return speedups
+
+
+def geometric_mean(values: list[float | None]) -> float | None:
+    """Geometric mean of the values that are not None; None when there are none."""
+    kept = [v for v in values if v is not None]
+    return math.exp(sum(map(math.log, kept)) / len(kept)) if kept else None

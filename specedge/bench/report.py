@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 COLUMNS = [("tok/s", "tokens_per_second", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
+           ("geo", "speedup_geomean", "{:.2f}x"),
            ("ideal", "ideal_speedup", "{:.2f}x"), ("meas/ideal", "measured_over_ideal", "{:.2f}"),
            ("accept", "acceptance_rate", "{:.2f}"), ("tok/call", "tokens_per_target_call",
                                                      "{:.2f}"),
@@ -13,34 +14,69 @@ COLUMNS = [("tok/s", "tokens_per_second", "{:.1f}"), ("speedup", "speedup", "{:.
            ("outside", "outside_model_share", "{:.1%}")]
 
 
+def _cell(fmt: str, value: float | None) -> str:
+    """A figure, or "-" where it is undefined (a ratio over nothing decoded)."""
+    return "-" if value is None else fmt.format(value)
+
+
+def _category(name: str) -> str:
+    """A category name as a markdown table cell."""
+    return name.replace("|", "\\|").replace("\n", " ")
+
+
 def markdown(results: dict) -> str:
-    lines = [f"# specedge bench: {results['bundle']}", "",
-             f"{results['prompts']} prompts x {results['max_new_tokens']} new tokens; "
-             f"precision {results['precision']}; speedup = tok/s / plain tok/s of the same "
-             "mode, measured in the same run.", "",
-             "| configuration | " + " | ".join(c[0] for c in COLUMNS) + " | per-position |",
-             "|---" * (len(COLUMNS) + 2) + "|"]
-    for name, row in results["configurations"].items():
-        cells = [fmt.format(row[key]) for _, key, fmt in COLUMNS]
+    source = (f"prompts from {results['prompt_file']}" if results.get("prompt_file")
+              else "the shipped prompt set")
+    lines = [f"# specedge bench{' --quick' if results.get('quick') else ''}: "
+             f"{results['bundle']}", "",
+             f"{results['prompts']} prompts ({source}) x {results['max_new_tokens']} new "
+             f"tokens; precision {results['precision']}; speedup = tok/s / plain tok/s of the "
+             "same mode, measured in the same run (ratio of sums); geo = geometric mean of "
+             "the per-prompt speedups.", ""]
+    configs = results["configurations"]
+    if results.get("quick"):
+        (_, plain), (name, default) = configs.items()  # --quick: plain, then the defaults
+        counted = sum(x is not None for x in default["speedup_per_prompt"])
+        what = ("the default settings" if name == "greedy/default"
+                else f"{name} (the bundle has no draft model)")
+        lines += [f"**Speedup of {what} over plain decoding: "
+                  f"{_cell('{:.2f}x', default['speedup'])}** (total decode tokens over total "
+                  f"decode time: {default['tokens_per_second']:.1f} against "
+                  f"{plain['tokens_per_second']:.1f} tok/s); "
+                  f"{_cell('{:.2f}x', default['speedup_geomean'])} as the geometric mean of "
+                  f"{counted} per-prompt speedups.", ""]
+    lines += ["| configuration | " + " | ".join(c[0] for c in COLUMNS) + " | per-position |",
+              "|---" * (len(COLUMNS) + 2) + "|"]
+    for name, row in configs.items():
+        cells = [_cell(fmt, row[key]) for _, key, fmt in COLUMNS]
         per_pos = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]) or "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_pos} |")
-    configs = results["configurations"]
     cats = sorted({cat for row in configs.values() for cat in row["by_category"]})
     lines += ["", "## Speedup by prompt category (tok/s over plain, same mode and category)",
-              "", "| configuration | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+              "", "| configuration | " + " | ".join(map(_category, cats)) + " |",
+              "|---" * (len(cats) + 1) + "|"]
     for name, row in configs.items():
         plain = configs[name.split("/")[0] + "/plain"]["by_category"]
         lines.append(f"| {name} | " + " | ".join(
-            f"{row['by_category'][c] / plain[c]:.2f}x" if c in row["by_category"] else "-"
-            for c in cats) + " |")
+            f"{row['by_category'][c] / plain[c]:.2f}x"
+            if c in row["by_category"] and plain.get(c) else "-" for c in cats) + " |")
+    if results.get("categories"):
+        lines += ["", "Prompts per category: " + ", ".join(
+            f"{_category(c)} {n}" for c, n in results["categories"].items()) + "."]
+    if "systems" in results:
+        lines += _systems_markdown(results)
+    return "\n".join(lines) + "\n"
+
+
+def _systems_markdown(results: dict) -> list[str]:
     best = results["systems"]["specedge best"]["configuration"]
-    lines += ["", f"## Systems (greedy, first {results['systems_prompts']} prompts)", "",
-              f"End to end, prompt evaluation included; the systems take turns prompt by "
-              f"prompt. specedge best: {best}, the fastest greedy configuration above on "
-              f"these prompts.", "",
-              f"Perplexity: each system's own weights on the prompt set's passages "
-              f"({results['quality_tokens']} tokens, the same ids for all).", "",
-              "| system | tok/s | ours / system | perplexity |", "|---|---|---|---|"]
+    lines = ["", f"## Systems (greedy, first {results['systems_prompts']} prompts)", "",
+             f"End to end, prompt evaluation included; the systems take turns prompt by "
+             f"prompt. specedge best: {best}, the fastest greedy configuration above on "
+             f"these prompts.", "",
+             f"Perplexity: each system's own weights on the shipped prompt set's passages "
+             f"({results['quality_tokens']} tokens, the same ids for all).", "",
+             "| system | tok/s | ours / system | perplexity |", "|---|---|---|---|"]
     ours = results["systems"]["specedge best"]["tokens_per_second"]
     for name, row in results["systems"].items():
         if "skipped" in row:
@@ -48,23 +84,26 @@ def markdown(results: dict) -> str:
         else:
             lines.append(f"| {name} | {row['tokens_per_second']:.1f} | "
                          f"{ours / row['tokens_per_second']:.2f}x | {row['perplexity']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plots(results: dict, out: Path) -> list[Path]:
+    """The PNG plots this run has data for (none in a --quick run)."""
+    configs = results["configurations"]
+    fixed = [(int(n.split("K=")[1]), r) for n, r in configs.items()
+             if n.startswith("greedy/draft K=")]
+    if not fixed and "systems" not in results:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    configs = results["configurations"]
-    fixed = [(int(n.split("K=")[1]), r) for n, r in configs.items()
-             if n.startswith("greedy/draft K=")]
     if fixed:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ks = [k for k, _ in fixed]
-        ax.plot(ks, [r["speedup"] for _, r in fixed], "o-", label="measured")
+        ax.plot(ks, [r["speedup"] or 0.0 for _, r in fixed], "o-", label="measured")
         ax.plot(ks, [r["ideal_speedup"] for _, r in fixed], "s--", label="ideal")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set(xlabel="K (draft tokens)", ylabel="speedup over plain", title="greedy")
@@ -78,6 +117,8 @@ def plots(results: dict, out: Path) -> list[Path]:
                title="acceptance per position (greedy)")
         ax.legend()
         written.append(_save(fig, out / "acceptance_per_position.png"))
+    if "systems" not in results:
+        return written
     systems = {n: r for n, r in results["systems"].items() if "skipped" not in r}
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.barh(list(systems), [r["tokens_per_second"] for r in systems.values()])

@@ -1,5 +1,6 @@
-"""`specedge bench --bundle DIR`: run every configuration on the prompt set, compare with
-the other systems, write bench.json, bench.md and PNG plots."""
+"""`specedge bench --bundle DIR`: run every configuration on the prompt set (the shipped one
+or the user's --prompts file), compare with the other systems, write bench.json, bench.md
+and PNG plots. `--quick`: plain decoding against the runtime's defaults only."""
 
 from __future__ import annotations
 
@@ -10,17 +11,33 @@ import sys
 from pathlib import Path
 
 from specedge.bench import baselines, report
-from specedge.bench.configs import aggregate, configurations, run_ours
-from specedge.prompts import load_prompts
+from specedge.bench.configs import (
+    NO_DRAFT_QUICK,
+    aggregate,
+    configurations,
+    geometric_mean,
+    per_prompt_speedups,
+    quick_configurations,
+    run_ours,
+)
+from specedge.prompts import load_prompts, prompt_input, read_prompt_file
 from specedge.runtime import Generator
 from specedge.runtime.backends import BACKENDS
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
+from specedge.runtime.config import GenerationConfig
 from specedge.runtime.stats import model_perplexity
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, type=Path)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
+                   help='your own prompts, one JSON object a line: {"category": ..., '
+                        '"prompt": ...} or {"category": ..., "messages": [...]} (default: '
+                        "the shipped prompt set)")
+    p.add_argument("--quick", action="store_true",
+                   help="plain decoding against the runtime's default settings only, "
+                        "without the system comparison (a few minutes on 32 prompts)")
     p.add_argument("--limit", type=int, help="use only the first N prompts")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4],
                    help="fixed K values to try, the first also when sampling (default 1 2 3 4)")
@@ -52,34 +69,71 @@ def _ours(gen: Generator, kwargs: dict, max_new_tokens: int, quality: float) -> 
     return {"generate": generate, "perplexity": quality}
 
 
-def run(args: argparse.Namespace) -> dict:
-    from tqdm import tqdm
+def _prompts(args: argparse.Namespace) -> list[dict]:
+    """--prompts FILE, else the shipped set; the first --limit of them."""
+    prompts = read_prompt_file(args.prompts) if args.prompts else load_prompts()
+    return prompts[:args.limit] if args.limit else prompts
 
-    gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
-    prompts = load_prompts(args.limit)
-    configs = configurations(args.ks, gen.draft is not None)
-    for _, kwargs in configs:  # warm up every code path once
-        gen.generate(prompts[0]["prompt"], max_new_tokens=8, **kwargs)
-    bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", file=sys.stderr)
-    runs = run_ours(gen, prompts, configs, args.max_new_tokens, bar)
-    bar.close()
 
+def _prompt_ids(gen: Generator, prompts: list[dict], configs: list[tuple[str, dict]],
+                max_new_tokens: int, source: str) -> list[list[int]]:
+    """Every prompt's token ids, as the generator encodes them, checked before anything is
+    timed: ValueError names the prompt (its file and line) that the bundle cannot run."""
+    limit = min(gen.context_limit(GenerationConfig.of(max_new_tokens=max_new_tokens, **kwargs))
+                for _, kwargs in configs)
+    all_ids = []
+    for i, p in enumerate(prompts):
+        where = f"{source} line {p['line']}" if "line" in p else f"{source} prompt {i + 1}"
+        if "messages" in p and not gen.codec.has_chat_template:
+            raise ValueError(f"{where}: this bundle has no chat template, so it cannot run a "
+                             "'messages' prompt: write the text as one 'prompt' string")
+        try:
+            ids = gen.encode_prompt(**prompt_input(p))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"{where}: the prompt's {len(ids)} tokens plus --max-new-tokens "
+                             f"{max_new_tokens} exceed the bundle's context of {limit} tokens: "
+                             "shorten the prompt or lower --max-new-tokens")
+        all_ids.append(ids)
+    return all_ids
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _table(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration, its aggregate row with speedups over plain decoding of its mode
+    (ratio of sums, and the geometric mean of per-prompt speedups) and tok/s by category."""
     table = {}
     for name, stats in runs.items():
         row = aggregate(stats)
-        plain = table[name.split("/")[0] + "/plain"] if not name.endswith("plain") else row
-        row["speedup"] = row["tokens_per_second"] / plain["tokens_per_second"]
-        row["measured_over_ideal"] = row["speedup"] / row["ideal_speedup"]
+        plain_name = name.split("/")[0] + "/plain"
+        plain = table[plain_name] if name != plain_name else row
+        row["speedup"] = _ratio(row["tokens_per_second"], plain["tokens_per_second"])
+        per_prompt = per_prompt_speedups(stats, runs[plain_name])
+        row["speedup_geomean"] = geometric_mean(per_prompt)
+        row["speedup_per_prompt"] = per_prompt
+        row["measured_over_ideal"] = (None if row["speedup"] is None
+                                      else row["speedup"] / row["ideal_speedup"])
         row["by_category"] = {cat: aggregate([s for s in stats if s["category"] == cat])
                               ["tokens_per_second"] for cat in sorted({s["category"]
                                                                        for s in stats})}
         table[name] = row
+    return table
 
-    n = min(args.systems_prompts, len(prompts))
+
+def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict]],
+             configs: list[tuple[str, dict]], prompt_ids: list[list[int]]) -> dict:
+    """The system comparison: our plain and fastest greedy configuration against the
+    baselines, end to end on the first --systems-prompts prompts, with perplexities."""
+    n = min(args.systems_prompts, len(prompt_ids))
     end_to_end = {name: sum(s["tokens_generated"] for s in stats[:n]) /
                   sum(s["time_total_s"] for s in stats[:n]) for name, stats in runs.items()
                   if name.startswith("greedy/")}
     best = max(end_to_end, key=end_to_end.get)  # the fastest exact configuration
+    # The shipped set's passages, whatever --prompts: the same text for every system.
     text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.max_context()]
     # on ONNX Runtime CPU whatever the bench's backend: a property of the graph
     ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads), text_ids)
@@ -93,14 +147,43 @@ def run(args: argparse.Namespace) -> dict:
         systems.update(baselines.llama_cpp_systems(_gguf(args.bundle), args.max_new_tokens,
                                                    args.threads or os.cpu_count() or 1,
                                                    text_ids))
-    ids = [gen.codec.encode_chat([{"role": "user", "content": p["prompt"]}])
-           for p in prompts[:n]]
-    systems = baselines.time_systems(systems, ids, progress=True)
-    return {"bundle": str(args.bundle), "backend": args.backend,
-            "precision": gen.bundle.manifest.get("precision"),
-            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "systems_prompts": n, "quality_tokens": len(text_ids), "configurations": table,
-            "systems": systems}
+    # Every system gets the ids our configurations decoded from (a `messages` prompt
+    # through the bundle's chat template), so all of them see the same prompts.
+    systems = baselines.time_systems(systems, prompt_ids[:n], progress=True)
+    return {"systems_prompts": n, "quality_tokens": len(text_ids), "systems": systems}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    prompts = _prompts(args)  # a bad prompt file fails before the bundle loads
+    gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
+    source = str(args.prompts) if args.prompts else "the shipped prompt set"
+    has_draft = gen.draft is not None
+    if args.quick and not has_draft:
+        print(f"specedge bench: {NO_DRAFT_QUICK}", file=sys.stderr)
+    configs = (quick_configurations(has_draft) if args.quick
+               else configurations(args.ks, has_draft))
+    prompt_ids = _prompt_ids(gen, prompts, configs, args.max_new_tokens, source)
+    for _, kwargs in configs:  # warm up every code path once
+        gen.generate(**prompt_input(prompts[0]), max_new_tokens=min(8, args.max_new_tokens),
+                     **kwargs)
+    bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", file=sys.stderr)
+    runs = run_ours(gen, prompts, configs, args.max_new_tokens, bar)
+    bar.close()
+
+    categories = {}
+    for p in prompts:
+        categories[p["category"]] = categories.get(p["category"], 0) + 1
+    results = {"bundle": str(args.bundle), "backend": args.backend,
+               "precision": gen.bundle.manifest.get("precision"),
+               "prompt_file": str(args.prompts) if args.prompts else None,
+               "quick": args.quick, "prompts": len(prompts),
+               "categories": dict(sorted(categories.items())),
+               "max_new_tokens": args.max_new_tokens, "configurations": _table(runs)}
+    if not args.quick:
+        results.update(_systems(args, gen, runs, configs, prompt_ids))
+    return results
 
 
 def main(args: argparse.Namespace) -> None:
