@@ -71,6 +71,14 @@ def smollm2_int8_bundle() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_int4_feature_bundle() -> Path:
+    """The bundle `scripts/demo.sh` makes and the README recommends: int4, feature draft."""
+    out = cache_dir() / "bundles" / "smollm2-feature-int4"
+    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_FEATURE_DRAFT), precision="int4")
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_feature_bundle() -> Path:
     out = cache_dir() / "bundles" / "smollm2-feature-fp32"
     export_bundle("smollm2-135m", out, draft=str(SMOLLM2_FEATURE_DRAFT))

@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> None:
               f"({q['perplexity_change']:+.1%}); max logit difference "
               f"{q.get('batch_max_logit_diff', 0):.1e} between a 4-token call and 4 steps"
               + ("" if q.get("batch_invariant", True) else " (not batch invariant: greedy "
-                 "speculative output can part from plain decoding at near ties)"),
+                 "speculative output can part from plain decoding at near ties; the default "
+                 "fused attention avoids this)"),
               file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
     out = {"bundle": args.out, "models": models}

@@ -30,12 +30,17 @@ def capacity_for(tokens: int, max_context: int) -> int:
 
 
 class KVCache:
+    """`capacity` rows a generation may hold, plus `spare` rows past them that a graph may
+    write but the cache never counts (ort_cpu.py: a one-token step run as two rows)."""
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: np.dtype = np.float32):
-        self.planes = np.zeros((2 * num_layers, 1, num_kv_heads, capacity, head_dim), dtype)
+                 dtype: np.dtype = np.float32, spare: int = 0):
+        self.planes = np.zeros((2 * num_layers, 1, num_kv_heads, capacity + spare, head_dim),
+                               dtype)
         self.keys = list(self.planes[0::2])
         self.values = list(self.planes[1::2])
         self.capacity = capacity
+        self.spare = spare
         self.length = 0
 
     def write(self, rows: np.ndarray) -> None:
@@ -60,7 +65,7 @@ class KVCache:
         layers2, _, heads, _, dim = self.planes.shape
         if capacity < self.length:
             raise ValueError(f"cannot shrink a cache holding {self.length} rows to {capacity}")
-        new = KVCache(layers2 // 2, heads, dim, capacity, self.planes.dtype)
+        new = KVCache(layers2 // 2, heads, dim, capacity, self.planes.dtype, self.spare)
         new.planes[:, :, :, :self.length] = self.planes[:, :, :, :self.length]
         new.length = self.length
         return new

@@ -54,7 +54,10 @@ def load_backend(name: str, bundle: Bundle, role: str,
                                           "pip install onnxruntime") from e
     spec = getattr(bundle, role)
     if name == "ort-cpu":
-        return OrtCpuBackend(spec, threads)
+        # Only the target's rows must agree with verification calls (ort_cpu.py); a draft's
+        # one-token steps need not, so they run as one row.
+        return OrtCpuBackend(spec, threads, one_token_as_two=None if role == "target"
+                             else False)
     if spec.kv_layout == KV_LAYOUT_IN_PLACE:
         raise BackendUnavailableError(
             f"this bundle's {role} graph uses ONNX Runtime's CPU attention (KV layout "

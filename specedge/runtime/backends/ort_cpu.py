@@ -48,8 +48,17 @@ class OrtCpuBackend:
 
     name = "ort-cpu"
 
-    def __init__(self, spec: ModelSpec, threads: int | None = None):
+    def __init__(self, spec: ModelSpec, threads: int | None = None,
+                 one_token_as_two: bool | None = None):
         self.spec = spec
+        # GroupQueryAttention (and 4-bit MatMulNBits on some CPUs) compute a one-row call on
+        # another kernel path than the rows of a multi-row call, and int8 activations grow
+        # the 1e-7 difference to about a logit. Rows of multi-row calls agree bit for bit
+        # whatever the call's length, so a target one-token step runs as two rows (the token
+        # twice) and keeps the first: the logits equal that position's row of a verification
+        # call (docs/design.md#batch-invariance-of-quantized-graphs). Default: in-place graphs.
+        self.one_token_as_two = (spec.kv_layout == KV_LAYOUT_IN_PLACE
+                                 if one_token_as_two is None else one_token_as_two)
         # A portable graph attends over the whole capacity, so its cache starts small and
         # grows (a new cache object is bound at its first call); an in-place graph reads
         # only the valid rows, so growing would only copy.
@@ -65,7 +74,9 @@ class OrtCpuBackend:
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity)
+        # The second row of a one-token step is written past the counted rows.
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity,
+                       spare=int(self.one_token_as_two))
 
     def _bind(self, cache: KVCache, t: int, n: int) -> _Binding:
         """Bind every tensor for T input tokens and N kept logits."""
@@ -114,6 +125,12 @@ class OrtCpuBackend:
                              f"{cache.capacity}")
         if self._cache is not cache:
             self._cache, self._bindings = cache, {}
+        # A one-token step as two rows, where the second row has room in the cache and a
+        # position inside the context (at the context's last position it runs alone).
+        padded = (t == 1 and self.one_token_as_two and cache.spare
+                  and cache.length + 2 <= self.spec.max_context)
+        if padded:
+            token_ids, t, logits_to_keep = [token_ids[0]] * 2, 2, 2
         key = (t, logits_to_keep)
         b = self._bindings.get(key)
         if b is None:
@@ -130,11 +147,11 @@ class OrtCpuBackend:
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
         if b.presents is None:
-            cache.advance(t)
+            cache.advance(t - padded)
         else:
-            cache.write(b.presents)
-        self.features = None if b.features_out is None else b.features_out[0]
-        return b.logits[0]
+            cache.write(b.presents[:, :, :, :t - padded])
+        self.features = None if b.features_out is None else b.features_out[0][:t - padded]
+        return b.logits[0][:1] if padded else b.logits[0]
 
 
 def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
