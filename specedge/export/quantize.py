@@ -21,8 +21,8 @@ agreement with the fp32 graph (teacher-forced on its greedy tokens) and the perp
 both graphs on a text sample. It also measures batch invariance, with one-token steps run as
 the runtime runs them: one-row and multi-row calls take different ONNX Runtime kernel paths,
 and the int8-activation kernels grow the 1e-7 difference to about a logit, so the runtime runs
-a fused graph's one-token steps as two rows (ort_cpu.py, docs/design.md#batch-invariance-of-
-quantized-graphs); a portable int8/int4 graph stays about a logit apart.
+a fused graph's one-token steps as two rows (ort_cpu.py; docs/design.md, "Batch invariance
+of quantized graphs"); a portable int8/int4 graph stays about a logit apart.
 """
 
 from __future__ import annotations
