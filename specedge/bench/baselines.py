@@ -109,16 +109,31 @@ def _llama_cpp_batch(gguf: Path, threads: int) -> int:
     return 512 if done.returncode == 0 else 1
 
 
+# llama-cpp-python's own speculative mode: prompt-lookup decoding, its default 10 tokens.
+LLAMA_CPP_LOOKUP_TOKENS = 10
+
+
+def llama_cpp_build() -> str:
+    """What the installed llama.cpp was built with (its system info: AVX2, AVX512, ...)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return (info.decode() if isinstance(info, bytes) else str(info)).strip()
+
+
 def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
                       text_ids: list[int]) -> dict:
-    """llama.cpp (llama-cpp-python) plain greedy decoding on the GGUF, as `time_systems`
-    takes it."""
+    """llama.cpp (llama-cpp-python) greedy decoding on the GGUF in its fastest modes, as
+    `time_systems` takes it: plain with flash attention, and with its prompt-lookup
+    decoding; both report the build's instruction sets."""
+    names = ("llama.cpp plain", "llama.cpp prompt lookup")
     if importlib.util.find_spec("llama_cpp") is None:
-        return {"llama.cpp plain": {"skipped": "llama-cpp-python not installed "
-                                               "(bash scripts/install_llama_cpp.sh)"}}
+        return dict.fromkeys(names, {"skipped": "llama-cpp-python not installed "
+                                                "(bash scripts/install_llama_cpp.sh)"})
     if gguf is None:
-        return {"llama.cpp plain": {"skipped": "no GGUF for this bundle"}}
+        return dict.fromkeys(names, {"skipped": "no GGUF for this bundle"})
     from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     n_batch = _llama_cpp_batch(gguf, threads)
     # Every position's logits, for the perplexity: slower, so not the timed instance.
@@ -127,19 +142,26 @@ def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
     scorer.eval(text_ids)
     quality = perplexity(np.asarray(scorer.scores[:len(text_ids)]), text_ids)
     del scorer
-    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=n_batch,
-                verbose=False)
+    shared = {"perplexity": quality, "n_batch": n_batch, "flash_attn": True,
+              "build": llama_cpp_build()}
 
-    def generate(ids: list[int]) -> int:
-        llm.reset()
-        for n, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True),
-                              start=1):
-            if n >= max_new_tokens:
-                break
-        return n
+    def system(**extra) -> dict:
+        llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=n_batch,
+                    flash_attn=True, verbose=False, **extra)
 
-    return {"llama.cpp plain": {"generate": generate, "perplexity": quality,
-                                "n_batch": n_batch}}
+        def generate(ids: list[int]) -> int:
+            llm.reset()
+            for n, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0,
+                                               reset=True), start=1):
+                if n >= max_new_tokens:
+                    break
+            return n
+
+        return {"generate": generate, **shared}
+
+    lookup = LlamaPromptLookupDecoding(num_pred_tokens=LLAMA_CPP_LOOKUP_TOKENS)
+    return {names[0]: system(),
+            names[1]: {**system(draft_model=lookup), "lookup_tokens": LLAMA_CPP_LOOKUP_TOKENS}}
 
 
 def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]],

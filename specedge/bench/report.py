@@ -84,6 +84,9 @@ def _systems_markdown(results: dict) -> list[str]:
         else:
             lines.append(f"| {name} | {row['tokens_per_second']:.1f} | "
                          f"{ours / row['tokens_per_second']:.2f}x | {row['perplexity']:.2f} |")
+    build = next((row["build"] for row in results["systems"].values() if "build" in row), None)
+    if build:
+        lines += ["", f"llama.cpp: flash attention on; its build: `{build}`"]
     return lines
 
 

@@ -176,3 +176,17 @@ def test_llama_cpp_batch_probe_survives_a_crash(tmp_path, monkeypatch, crashes, 
         f"    def eval(self, ids):\n        {'os.abort()' if crashes else 'pass'}\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert baselines._llama_cpp_batch(tmp_path / "model.gguf", 2) == n_batch
+
+
+def test_llama_cpp_is_compared_plain_and_with_its_prompt_lookup(monkeypatch):
+    """Both llama.cpp systems are listed; without llama-cpp-python both say how to get it."""
+    import importlib.util
+
+    from specedge.bench import baselines
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    systems = baselines.llama_cpp_systems(None, 8, 1, [1, 2, 3])
+    assert set(systems) == {"llama.cpp plain", "llama.cpp prompt lookup"}
+    assert all("install_llama_cpp.sh" in s["skipped"] for s in systems.values())

@@ -127,8 +127,8 @@ class OrtCpuBackend:
             self._cache, self._bindings = cache, {}
         # A one-token step as two rows, where the second row has room in the cache and a
         # position inside the context (at the context's last position it runs alone).
-        padded = (t == 1 and self.one_token_as_two and cache.spare
-                  and cache.length + 2 <= self.spec.max_context)
+        padded = bool(t == 1 and self.one_token_as_two and cache.spare
+                      and cache.length + 2 <= self.spec.max_context)
         if padded:
             token_ids, t, logits_to_keep = [token_ids[0]] * 2, 2, 2
         key = (t, logits_to_keep)
