@@ -31,7 +31,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--draft-tokens", type=_k, default=None,
+    parser.add_argument("--draft-tokens", type=draft_tokens_arg, default=None,
                         help="K, tokens drafted per step, or 'auto' (default: auto when greedy, "
                         "1 when sampling, so that --seed fixes the text)")
     parser.add_argument("--draft-threshold", type=float, default=0.0,
@@ -56,7 +56,8 @@ def generation_settings(args: argparse.Namespace) -> dict:
                 draft_threshold=args.draft_threshold, drafter=args.drafter)
 
 
-def _k(value: str) -> int | str:
+def draft_tokens_arg(value: str) -> int | str:
+    """argparse type of --draft-tokens: an integer K or "auto"."""
     if value == "auto":
         return value
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specedge.runtime.backends import BACKENDS
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.cli import _k, fail
+from specedge.runtime.cli import draft_tokens_arg, fail
 from specedge.runtime.config import DEFAULT_DRAFTER, DRAFTERS, check_threads
 from specedge.runtime.errors import SpecEdgeError
 
@@ -48,7 +48,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds from a request's arrival to its last token (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
-    p.add_argument("--draft-tokens", type=_k, default=None,
+    p.add_argument("--draft-tokens", type=draft_tokens_arg, default=None,
                    help="K for requests that do not set their own: an integer or 'auto' "
                    "(default: auto when greedy, 1 when sampling)")
     p.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER)

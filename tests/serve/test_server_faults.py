@@ -133,6 +133,17 @@ def chat_body(content: str, max_tokens: int, **extra) -> dict:
             "temperature": 0, **extra}
 
 
+def chat_outcome(client, content: str, max_tokens: int) -> object:
+    """A greedy chat completion from the "slow" model, or the exception it raised (kept for
+    the test to check)."""
+    try:
+        return client.chat.completions.create(
+            model="slow", messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens, temperature=0)
+    except Exception as e:
+        return e
+
+
 def health(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/health", timeout=10).json()
 
@@ -309,12 +320,7 @@ def test_full_queue_answers_429_and_nothing_hangs(slow_server):
     outcomes: dict[int, object] = {}
 
     def send(i: int) -> None:
-        try:
-            outcomes[i] = client.chat.completions.create(
-                model="slow", messages=[{"role": "user", "content": f"load {i}"}],
-                max_tokens=4, temperature=0)
-        except Exception as e:  # kept and checked below
-            outcomes[i] = e
+        outcomes[i] = chat_outcome(client, f"load {i}", 4)
 
     with httpx.Client(timeout=60) as http, \
             http.stream("POST", url, json=chat_body("blocker", LONG, stream=True)) as r:
@@ -615,12 +621,7 @@ def test_sigterm_drains_in_flight_requests(slow_bundle, tmp_path):
         results: dict[int, object] = {}
 
         def send(i: int) -> None:
-            try:
-                results[i] = client.chat.completions.create(
-                    model="slow", messages=[{"role": "user", "content": f"drain {i}"}],
-                    max_tokens=30, temperature=0)
-            except Exception as e:  # kept and checked below
-                results[i] = e
+            results[i] = chat_outcome(client, f"drain {i}", 30)
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
         for t in threads:
