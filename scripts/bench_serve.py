@@ -65,7 +65,6 @@ import argparse
 import datetime
 import json
 import logging
-import math
 import os
 import socket
 import statistics
@@ -84,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scaling import LLAMA_CPP_QUANT, git_commit, machine  # noqa: E402
 
+from specedge.bench.intervals import ratio_ci  # noqa: E402
 from specedge.prompts import load_prompts  # noqa: E402
 from specedge.runtime.files import atomic_write  # noqa: E402
 
@@ -103,29 +103,8 @@ LLAMA_LOOKUP_TOKENS = 10
 IN_PROCESS = {IN_SPEC: True, IN_PLAIN: False}  # name: speculative on
 QUICK = {"rounds": 1, "concurrency": [1, 4], "prompts": 4}
 
-# Two-sided 95% Student t quantiles by degrees of freedom (1..30); 1.96 past them.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
 
 # ------------------------------------------------------------------------------ statistics
-
-def ratio_ci(ratios: list[float]) -> dict:
-    """Median of per-round ratios and the 95% confidence interval of their geometric mean,
-    exp(mean ± t * sd / sqrt(R)) of the logs (None with one round)."""
-    if not ratios or any(not r > 0 for r in ratios):
-        raise ValueError(f"ratios must be positive, got {ratios}")
-    logs = [math.log(r) for r in ratios]
-    out = {"median": statistics.median(ratios), "rounds": [float(r) for r in ratios],
-           "ci95": None}
-    if len(logs) >= 2:
-        t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
-        half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-        mean = statistics.fmean(logs)
-        out["ci95"] = [math.exp(mean - half), math.exp(mean + half)]
-    return out
-
 
 def percentiles(values: list[float]) -> dict:
     """p50 and p99 (numpy's linear interpolation), None for no values."""

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install specedge, export SmolLM2-135M-Instruct (int4: its weights come on GGUF's Q4_1
 # grid, which int4 holds exactly; docs/export.md) with the distilled feature draft in
-# drafts/ (once; cached), and answer a chat prompt with speculative decoding on ONNX Runtime
-# CPU, compared with plain decoding: with the defaults (lookup where the text repeats itself,
-# the draft elsewhere, K chosen as it runs), then with the draft alone.
+# drafts/ (once; cached; the export ends by measuring the draft on 8 prompts, where auto K
+# starts from), and answer a chat prompt with speculative decoding on ONNX Runtime CPU,
+# compared with plain decoding: with the defaults (lookup where the text repeats itself, the
+# draft elsewhere, K chosen as it runs), then with the draft alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${1:-"Explain in three sentences why the sky is blue."}

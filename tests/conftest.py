@@ -6,6 +6,7 @@ The SmolLM2 bundle is exported once into the specedge cache (SPECEDGE_CACHE or
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def tiny_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
     """Tiny Llama target (2 layers) with its first layer as the draft."""
     out = tmp_path_factory.mktemp("bundles") / "tiny"
     export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1)
+    return out
+
+
+@pytest.fixture
+def own_tiny_bundle(tiny_bundle, tmp_path) -> Path:
+    """This test's own copy of `tiny_bundle` (links to its files): a test that stores auto
+    K's measurements (auto_k.json) in it leaves the shared bundle as it was."""
+    out = tmp_path / "own-tiny"
+    out.mkdir()
+    for f in Path(tiny_bundle).iterdir():
+        if f.name != "auto_k.json":
+            os.symlink(f, out / f.name)
     return out
 
 

@@ -3,21 +3,45 @@ with each system's perplexity on one text (`quality_text_ids`): a speed ratio me
 something only between systems of comparable quality.
 
 Each baseline is skipped, with the reason recorded, when its package is not installed.
+
+A system is a dict with `generate` (prompt ids -> `Generation`) and what to report with it,
+or with `skipped`: the reason it is not timed. `time_systems` times every `generate` call
+end to end and takes the decode time from the `Generation` it returns.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from specedge.bench.intervals import ratio_ci
 from specedge.runtime.stats import perplexity
 from specedge.runtime.text import TextCodec
+
+
+class Generation(NamedTuple):
+    """What a system's `generate` returns for one prompt.
+
+    `tokens`: the tokens it generated. `decode_seconds`: seconds from the arrival of its
+    first generated token to the end of the generation, measured by the system itself (so
+    prompt evaluation and the first token are left out). `first_tokens`: how many tokens
+    arrived together first, 1 unless one call returns several (transformers' assisted
+    generation verifies drafts in its first call): they are left out of the decode speed,
+    which is (tokens - first_tokens) / decode_seconds. The end-to-end time is not part of
+    it: `time_systems` measures it around the call, the same way for every system.
+    """
+
+    tokens: int
+    decode_seconds: float
+    first_tokens: int = 1
 
 QUALITY_TOKENS = 512
 # Candidates per step for transformers' prompt lookup (Saxena 2023), which has no default.
@@ -70,6 +94,22 @@ def transformers_systems(bundle: Path, max_new_tokens: int, text_ids: list[int])
         return {name: {"skipped": "torch / transformers not installed "
                                   "(pip install -e '.[export]')"} for name in names}
     import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstArrival(BaseStreamer):
+        """When the first generated tokens arrive, and how many: transformers puts the
+        prompt first, then each step's new tokens."""
+
+        def __init__(self) -> None:
+            self.puts, self.at, self.tokens = 0, None, 0
+
+        def put(self, value) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                self.at, self.tokens = time.perf_counter(), int(value.numel())
+
+        def end(self) -> None:
+            pass
 
     target, draft = _hf_models(bundle)
     with torch.no_grad():
@@ -77,12 +117,16 @@ def transformers_systems(bundle: Path, max_new_tokens: int, text_ids: list[int])
     quality = perplexity(logits, text_ids)  # assisted generation samples the target too
 
     def system(**kwargs) -> dict:
-        def generate(ids: list[int]) -> int:
+        def generate(ids: list[int]) -> Generation:
+            first = FirstArrival()
             with torch.no_grad():
                 out = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
                                       min_new_tokens=max_new_tokens, do_sample=False,
-                                      **kwargs)
-            return out.shape[1] - len(ids)
+                                      streamer=first, **kwargs)
+            end = time.perf_counter()
+            return Generation(out.shape[1] - len(ids),
+                              end - first.at if first.at is not None else 0.0,
+                              first.tokens or 1)
         return {"generate": generate, "perplexity": quality}
 
     return {names[0]: system(),
@@ -111,6 +155,7 @@ def _llama_cpp_batch(gguf: Path, threads: int) -> int:
 
 # llama-cpp-python's own speculative mode: prompt-lookup decoding, its default 10 tokens.
 LLAMA_CPP_LOOKUP_TOKENS = 10
+LLAMA_CPP = ("llama.cpp plain", "llama.cpp prompt lookup")  # its plain and lookup systems
 
 
 def llama_cpp_build() -> str:
@@ -126,7 +171,7 @@ def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
     """llama.cpp (llama-cpp-python) greedy decoding on the GGUF in its fastest modes, as
     `time_systems` takes it: plain with flash attention, and with its prompt-lookup
     decoding; both report the build's instruction sets."""
-    names = ("llama.cpp plain", "llama.cpp prompt lookup")
+    names = LLAMA_CPP
     if importlib.util.find_spec("llama_cpp") is None:
         return dict.fromkeys(names, {"skipped": "llama-cpp-python not installed "
                                                 "(bash scripts/install_llama_cpp.sh)"})
@@ -149,13 +194,17 @@ def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
         llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=n_batch,
                     flash_attn=True, verbose=False, **extra)
 
-        def generate(ids: list[int]) -> int:
-            llm.reset()
+        def generate(ids: list[int]) -> Generation:
+            llm.reset()  # no prefix of the last prompt reused from the cache
+            n, first = 0, None
             for n, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0,
                                                reset=True), start=1):
+                if first is None:  # the prompt is evaluated before the first yield
+                    first = time.perf_counter()
                 if n >= max_new_tokens:
                     break
-            return n
+            end = time.perf_counter()
+            return Generation(n, end - first if first is not None else 0.0)
 
         return {"generate": generate, **shared}
 
@@ -164,41 +213,117 @@ def llama_cpp_systems(gguf: Path | None, max_new_tokens: int, threads: int,
             names[1]: {**system(draft_model=lookup), "lookup_tokens": LLAMA_CPP_LOOKUP_TOKENS}}
 
 
-def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]],
-                 progress: bool = False) -> dict[str, dict]:
-    """Each system's tokens per second, end to end (prompt evaluation included), on the same
-    prompt ids. A system is a dict with `generate` (prompt ids -> tokens generated) and what
-    to report with it, or with `skipped`: the reason it is not timed.
+def _speeds(calls: list[tuple[Generation, float]]) -> dict:
+    """One round of one system from its (generation, end-to-end seconds) per prompt: totals
+    and both speeds, each a ratio of sums (docs/bench.md#reading-the-ratios). The decode
+    speed is None when no time was spent decoding (every generation stopped at its first
+    token)."""
+    tokens = sum(g.tokens for g, _ in calls)
+    seconds = sum(wall for _, wall in calls)
+    decode_tokens = sum(max(0, g.tokens - g.first_tokens) for g, _ in calls)
+    decode_seconds = sum(g.decode_seconds for g, _ in calls)
+    return {"tokens": tokens, "seconds": seconds, "decode_tokens": decode_tokens,
+            "decode_seconds": decode_seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else None,
+            "decode_tokens_per_second": decode_tokens / decode_seconds
+            if decode_seconds > 0 else None}
 
-    The systems take turns prompt by prompt, the first of them changing every prompt, so the
-    machine's drift over the run falls on all of them alike. Run one after another (llama.cpp
-    after ours), llama.cpp's ratio to ours was 0.99x and 1.54x in two runs of the same code
-    within an hour. Each system generates once, untimed, to warm up. `progress` shows a bar
-    on stderr, advanced once per generation.
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]], rounds: int = 1,
+                 progress: bool = False) -> dict[str, dict]:
+    """Each system's tokens per second on the same prompt ids, `rounds` times over: end to
+    end (each `generate` call timed here, prompt evaluation included) and decode (tokens
+    after the first over the time after the first arrived, from the `Generation` the system
+    returns). A system is a dict with `generate` and what to report with it, or with
+    `skipped`: the reason it is not timed (reported as it is).
+
+    Each round, the systems take turns prompt by prompt, the first of them changing every
+    prompt (and continuing round after round, so that a prompt's first system changes
+    between rounds too), so the machine's drift over the run falls on all of them alike. Run
+    one after another (llama.cpp after ours), llama.cpp's ratio to ours was 0.99x and 1.54x
+    in two runs of the same code within an hour. Each system generates once, untimed, to
+    warm up, before the first round.
+
+    A timed system's result holds `rounds` (per round: tokens, seconds, decode_tokens,
+    decode_seconds, tokens_per_second, decode_tokens_per_second) and the median over rounds
+    of both speeds (`tokens_per_second`, `decode_tokens_per_second`). `progress` shows a
+    bar on stderr, advanced once per generation.
     """
     from tqdm import tqdm
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be 1 or more, got {rounds}")
     timed = [name for name, s in systems.items() if "generate" in s]
-    bar = tqdm(total=len(timed) * (len(prompt_ids) + 1), desc="systems", unit="run",
-               file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(timed) * (len(prompt_ids) * rounds + 1), desc="systems",
+               unit="run", file=sys.stderr, disable=not progress)
     for name in timed:
         systems[name]["generate"](prompt_ids[0])
         bar.update()
-    totals = {name: [0, 0.0] for name in timed}
-    for i, ids in enumerate(prompt_ids):
-        turn = i % len(timed) if timed else 0
-        for name in timed[turn:] + timed[:turn]:
-            t0 = time.perf_counter()
-            tokens = systems[name]["generate"](ids)
-            totals[name][1] += time.perf_counter() - t0
-            totals[name][0] += tokens
-            bar.update()
+    calls = {name: [[] for _ in range(rounds)] for name in timed}
+    turn = 0
+    for r in range(rounds):
+        for ids in prompt_ids:
+            first = turn % len(timed) if timed else 0
+            turn += 1
+            for name in timed[first:] + timed[:first]:
+                t0 = time.perf_counter()
+                generation = systems[name]["generate"](ids)
+                wall = time.perf_counter() - t0
+                if not isinstance(generation, Generation):
+                    raise TypeError(f"{name}: generate returned {type(generation).__name__}, "
+                                    "not a baselines.Generation (tokens, decode_seconds, "
+                                    "first_tokens)")
+                calls[name][r].append((generation, wall))
+                bar.update()
     bar.close()
     results = {}
     for name, system in systems.items():
         results[name] = {k: v for k, v in system.items() if k != "generate"}
-        if name in totals:
-            tokens, seconds = totals[name]
-            results[name].update(tokens=tokens, seconds=seconds,
-                                 tokens_per_second=tokens / seconds)
+        if name in calls:
+            per_round = [_speeds(c) for c in calls[name]]
+            results[name].update(
+                tokens_per_second=_median([x["tokens_per_second"] for x in per_round]),
+                decode_tokens_per_second=_median([x["decode_tokens_per_second"]
+                                                  for x in per_round]),
+                rounds=per_round)
     return results
+
+
+# The two speeds of a system, as named in the ratios: key of `time_systems`' results.
+SPEEDS = {"decode": "decode_tokens_per_second", "end to end": "tokens_per_second"}
+
+
+def system_ratios(systems: dict[str, dict]) -> list[dict]:
+    """The ratios the report quotes, each speed (decode, end to end) round by round, with
+    their median and 95% confidence interval (`intervals.ratio_ci`): "specedge best /
+    llama.cpp best", llama.cpp best being the faster of its two systems by median over
+    rounds on that speed (recorded as `denominator`), and "specedge plain / llama.cpp
+    plain". A ratio whose systems did not both run (a skipped baseline) is left out, as is
+    a round where either speed is undefined."""
+    timed = {name: s for name, s in systems.items() if "rounds" in s}
+    out = []
+
+    def add(ratio: str, num: str, den: str, speed: str) -> None:
+        if num not in timed or den not in timed:
+            return
+        key = SPEEDS[speed]
+        per_round = [a[key] / b[key] for a, b in zip(timed[num]["rounds"],
+                                                      timed[den]["rounds"], strict=True)
+                     if a[key] and b[key]]
+        if per_round:
+            out.append({"ratio": ratio, "speed": speed, "numerator": num,
+                        "denominator": den, **ratio_ci(per_round)})
+
+    for speed, key in SPEEDS.items():
+        llamas = [name for name in LLAMA_CPP if name in timed and timed[name][key]]
+        if llamas:
+            add("specedge best / llama.cpp best", "specedge best",
+                max(llamas, key=lambda name: timed[name][key]), speed)
+    for speed in SPEEDS:
+        add("specedge plain / llama.cpp plain", "specedge plain", "llama.cpp plain", speed)
+    return out

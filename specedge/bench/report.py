@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 COLUMNS = [("tok/s", "tokens_per_second", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
            ("geo", "speedup_geomean", "{:.2f}x"),
            ("ideal", "ideal_speedup", "{:.2f}x"), ("meas/ideal", "measured_over_ideal", "{:.2f}"),
@@ -68,25 +70,61 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rate(value: float | None) -> str:
+    return _cell("{:.1f}", value)
+
+
+def _interval(r: dict) -> str:
+    """A ratio's 95% confidence interval, or "-" with one round."""
+    return "-" if r["ci95"] is None else f"{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}x"
+
+
 def _systems_markdown(results: dict) -> list[str]:
-    best = results["systems"]["specedge best"]["configuration"]
-    lines = ["", f"## Systems (greedy, first {results['systems_prompts']} prompts)", "",
-             f"End to end, prompt evaluation included; the systems take turns prompt by "
-             f"prompt. specedge best: {best}, the fastest greedy configuration above on "
-             f"these prompts.", "",
+    systems = results["systems"]
+    rounds = results.get("systems_rounds", 1)
+    best = systems["specedge best"]["configuration"]
+    lines = ["", f"## Systems (greedy, first {results['systems_prompts']} prompts, {rounds} "
+             f"round{'s' if rounds != 1 else ''})", "",
+             "Each round, the systems take turns prompt by prompt. End to end: tokens over "
+             "the whole generation, prompt evaluation included; decode: the tokens after the "
+             "first over the time after the first arrived. Both are the median over rounds "
+             f"(ratios of sums within a round). specedge best: {best}, the fastest greedy "
+             "configuration above on these prompts (end to end).", "",
              f"Perplexity: each system's own weights on the shipped prompt set's passages "
              f"({results['quality_tokens']} tokens, the same ids for all).", "",
-             "| system | tok/s | ours / system | perplexity |", "|---|---|---|---|"]
-    ours = results["systems"]["specedge best"]["tokens_per_second"]
-    for name, row in results["systems"].items():
+             "| system | end to end tok/s | decode tok/s | perplexity | end to end tok/s by "
+             "round |", "|---|---|---|---|---|"]
+    for name, row in systems.items():
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | |")
         else:
-            lines.append(f"| {name} | {row['tokens_per_second']:.1f} | "
-                         f"{ours / row['tokens_per_second']:.2f}x | {row['perplexity']:.2f} |")
-    build = next((row["build"] for row in results["systems"].values() if "build" in row), None)
-    if build:
-        lines += ["", f"llama.cpp: flash attention on; its build: `{build}`"]
+            by_round = " ".join(_rate(r["tokens_per_second"]) for r in row["rounds"])
+            lines.append(f"| {name} | {_rate(row['tokens_per_second'])} | "
+                         f"{_rate(row['decode_tokens_per_second'])} | "
+                         f"{row['perplexity']:.2f} | {by_round} |")
+    ratios = results.get("system_ratios", [])
+    if ratios:
+        lines += ["", "Ratios to llama.cpp: per round, then their median and the 95% "
+                  "confidence interval of their geometric mean (Student t over rounds): "
+                  "a ratio moves by several percent from run to run on one machine, so "
+                  "read its interval. llama.cpp best: the faster of its two systems on that "
+                  "speed (median over rounds).", "",
+                  "| ratio | speed | median | 95% CI | by round |", "|---|---|---|---|---|"]
+        for r in ratios:
+            name = r["ratio"]
+            if name.endswith("llama.cpp best"):
+                name += f" ({r['denominator']})"
+            lines.append(f"| {name} | {r['speed']} | {r['median']:.2f}x | {_interval(r)} | "
+                         + " ".join(f"{x:.2f}" for x in r["rounds"]) + " |")
+    else:
+        skipped = [f"{name}: {row['skipped']}" for name, row in systems.items()
+                   if name.startswith("llama.cpp") and "skipped" in row]
+        lines += ["", "No ratio to llama.cpp: " + ("; ".join(skipped) if skipped else
+                                                   "it was not among --baselines") + "."]
+    llama = next((row for row in systems.values() if "build" in row), None)
+    if llama:
+        lines += ["", f"llama.cpp: flash attention on, n_batch {llama['n_batch']}; its build: "
+                      f"`{llama['build']}`"]
     return lines
 
 
@@ -124,8 +162,15 @@ def plots(results: dict, out: Path) -> list[Path]:
         return written
     systems = {n: r for n, r in results["systems"].items() if "skipped" not in r}
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.barh(list(systems), [r["tokens_per_second"] for r in systems.values()])
-    ax.set(xlabel="tokens / s (greedy decode)", title="systems, same prompts")
+    at = np.arange(len(systems))
+    ax.barh(at - 0.2, [r["tokens_per_second"] or 0.0 for r in systems.values()], 0.4,
+            label="end to end")
+    ax.barh(at + 0.2, [r["decode_tokens_per_second"] or 0.0 for r in systems.values()], 0.4,
+            label="decode")
+    ax.set_yticks(at, list(systems))
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens / s (greedy, median over rounds)", title="systems, same prompts")
+    ax.legend()
     written.append(_save(fig, out / "systems.png"))
     return written
 

@@ -27,6 +27,20 @@ from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.stats import model_perplexity
 
+# The other systems `--baselines` chooses from (specedge/bench/baselines.py).
+BASELINES = ("transformers", "llama.cpp")
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, type=Path)
@@ -43,7 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed K values to try, the first also when sampling (default 1 2 3 4)")
     p.add_argument("--systems-prompts", type=int, default=8,
                    help="prompts for the other systems, which are slow (default 8)")
-    p.add_argument("--no-baselines", action="store_true", help="skip transformers, llama.cpp")
+    p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
+                   metavar="SYSTEM",
+                   help="the other systems to compare with: transformers, llama.cpp (default "
+                        "both; --baselines alone: none)")
+    p.add_argument("--rounds", type=_positive, default=3,
+                   help="times the system comparison runs its prompts, each round giving "
+                        "one ratio for the confidence interval (default 3)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
                    help="runtime backend of our configurations (default ort-cpu)")
@@ -62,10 +82,12 @@ def _gguf(bundle: Path) -> Path | None:
 
 
 def _ours(gen: Generator, kwargs: dict, max_new_tokens: int, quality: float) -> dict:
-    """One of our configurations as a system for `baselines.time_systems`."""
-    def generate(ids: list[int]) -> int:
-        out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, **kwargs)
-        return out.stats["tokens_generated"]
+    """One of our configurations as a system for `baselines.time_systems`: its decode time
+    is the runtime's own (total minus prefill, as in the configuration tables)."""
+    def generate(ids: list[int]) -> baselines.Generation:
+        stats = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, **kwargs).stats
+        return baselines.Generation(stats["tokens_generated"],
+                                    stats["time_total_s"] - stats["time_prefill_s"])
     return {"generate": generate, "perplexity": quality}
 
 
@@ -127,7 +149,8 @@ def _table(runs: dict[str, list[dict]]) -> dict[str, dict]:
 def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict]],
              configs: list[tuple[str, dict]], prompt_ids: list[list[int]]) -> dict:
     """The system comparison: our plain and fastest greedy configuration against the
-    baselines, end to end on the first --systems-prompts prompts, with perplexities."""
+    baselines chosen by --baselines on the first --systems-prompts prompts, --rounds times,
+    end to end and decode, with perplexities and the ratios to llama.cpp."""
     n = min(args.systems_prompts, len(prompt_ids))
     end_to_end = {name: sum(s["tokens_generated"] for s in stats[:n]) /
                   sum(s["time_total_s"] for s in stats[:n]) for name, stats in runs.items()
@@ -141,16 +164,20 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
     systems = {"specedge plain": _ours(gen, kwargs["greedy/plain"], args.max_new_tokens, ours),
                "specedge best": {**_ours(gen, kwargs[best], args.max_new_tokens, ours),
                                  "configuration": best}}
-    if not args.no_baselines:
+    if "transformers" in args.baselines:
         systems.update(baselines.transformers_systems(args.bundle, args.max_new_tokens,
                                                       text_ids))
+    if "llama.cpp" in args.baselines:
         systems.update(baselines.llama_cpp_systems(_gguf(args.bundle), args.max_new_tokens,
                                                    args.threads or os.cpu_count() or 1,
                                                    text_ids))
     # Every system gets the ids our configurations decoded from (a `messages` prompt
     # through the bundle's chat template), so all of them see the same prompts.
-    systems = baselines.time_systems(systems, prompt_ids[:n], progress=True)
-    return {"systems_prompts": n, "quality_tokens": len(text_ids), "systems": systems}
+    systems = baselines.time_systems(systems, prompt_ids[:n], rounds=args.rounds,
+                                     progress=True)
+    return {"systems_prompts": n, "systems_rounds": args.rounds,
+            "quality_tokens": len(text_ids), "systems": systems,
+            "system_ratios": baselines.system_ratios(systems)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -183,7 +210,21 @@ def run(args: argparse.Namespace) -> dict:
                "max_new_tokens": args.max_new_tokens, "configurations": _table(runs)}
     if not args.quick:
         results.update(_systems(args, gen, runs, configs, prompt_ids))
+    results["auto_k"] = _store_measurements(gen)
     return results
+
+
+def _store_measurements(gen: Generator) -> str | None:
+    """Store what auto K measured over the runs in the bundle (auto_k.json), where the next
+    Generator on it starts from them; a bundle that cannot be written only loses that."""
+    try:
+        path = gen.save_measurements("specedge bench")
+    except OSError as e:
+        print(f"specedge bench: auto K's measurements were not stored in the bundle ({e})",
+              file=sys.stderr)
+        return None
+    print(f"stored auto K's measurements in {path}", file=sys.stderr)
+    return str(path)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -54,6 +54,10 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "machine's GPU (fp16; on TensorRT 11 the export's precision; see "
                    "`specedge build` for options)")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
+    p.add_argument("--measure-prompts", type=int, default=8, metavar="N",
+                   help="after export, run N shipped prompts (default 8; 0: skip) and store "
+                   "the draft's acceptance and this machine's step costs in the bundle "
+                   "(auto_k.json), where auto K starts from them")
 
 
 def head_tokens_argument(value: str) -> int | str:
@@ -205,6 +209,9 @@ def run(args: argparse.Namespace) -> None:
               file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
     out = {"bundle": args.out, "models": models}
+    if "draft" in models and args.measure_prompts > 0 and not tensorrt:
+        measured = _measure(args.out, args.measure_prompts)
+        out["auto_k"] = str(measured) if measured else None
     if tensorrt:
         try:
             manifest = build_engines(args.out, precision=engine_precision, force=args.force)
@@ -216,6 +223,19 @@ def run(args: argparse.Namespace) -> None:
                  f"`specedge build --bundle {args.out}`")
         out["engines"] = {role: e["file"] for role, e in manifest["engines"].items()}
     print(json.dumps(out))
+
+
+def _measure(bundle: str, prompts: int):
+    """calibrate.calibrate, failing with a message that keeps the exported bundle."""
+    from specedge.export.calibrate import calibrate
+
+    try:
+        return calibrate(bundle, prompts)
+    except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
+        fail(f"the bundle {bundle} was exported, but measuring its draft failed: "
+             f"{_one_line(e)}; run again with --measure-prompts 0 to skip the measurement")
+    except KeyboardInterrupt:
+        fail(f"interrupted; the bundle {bundle} was exported without auto_k.json")
 
 
 def run_distill(args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from specedge.runtime.drafting import (
     LookupThenModelDrafter,
     ModelDrafter,
     make_drafter,
+    stored,
 )
 from specedge.runtime.drafting.auto_k import Histories
 from specedge.runtime.kv_cache import capacity_for
@@ -46,7 +47,7 @@ class Generator:
     is still open would wait for itself, so it raises RuntimeError instead.
     """
 
-    def __init__(self, bundle, target, draft, codec: TextCodec):
+    def __init__(self, bundle, target, draft, codec: TextCodec, threads: int | None = None):
         self.bundle = bundle
         self.target = target
         self.draft = draft
@@ -57,8 +58,13 @@ class Generator:
         if draft is not None:
             feature_draft = bundle.draft.reads_features
             self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
-        # What recent steps cost and accepted, for `auto`, kept across generations.
+        # What recent steps cost and accepted, for `auto`, kept across generations, starting
+        # from what earlier runs stored in the bundle (drafting/stored.py).
         self._histories = Histories()
+        self.machine = stored.machine_of(target, threads)
+        record = stored.read(bundle.root)
+        self.stored_costs = record is not None and stored.seed(self._histories, record,
+                                                               self.machine)
         self._lock = threading.Lock()  # held by the running generation
         self._owner: int | None = None  # the thread that holds it
 
@@ -69,7 +75,7 @@ class Generator:
         bundle = load_bundle(path)
         target = load_backend(backend, bundle, "target", threads)
         draft = load_backend(backend, bundle, "draft", threads) if bundle.draft else None
-        return cls(bundle, target, draft, TextCodec(bundle))
+        return cls(bundle, target, draft, TextCodec(bundle), threads)
 
     def context_limit(self, config: GenerationConfig) -> int:
         """Largest prompt + max_new_tokens for a generation with `config`: the target's
@@ -206,6 +212,13 @@ class Generator:
         self._cache.rollback(0)
         return Decoding(self.target, self._cache, drafter, config,
                         np.random.default_rng(config.seed), StepClock(), limit)
+
+    def save_measurements(self, written_by: str) -> Path:
+        """Store what auto K measured so far (each draft's acceptance per position, and
+        this machine's draft and verification costs) in the bundle's auto_k.json, where the
+        next Generator on this bundle starts from it. Returns the file's path."""
+        with self._lock:
+            return stored.write(self.bundle.root, self._histories, self.machine, written_by)
 
     # ---- helpers --------------------------------------------------------------------------
 

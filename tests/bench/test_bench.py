@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,10 +29,30 @@ def test_every_configuration_names_its_drafter():
             assert kwargs["drafter"] == {"draft": "model"}.get(drafter, drafter), name
 
 
-def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
+def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys, monkeypatch):
+    """The whole bench on the tiny bundle, with `--baselines llama.cpp` answered by stand-in
+    llama.cpp systems (transformers must not load) and two rounds of the systems."""
+    import time
+
+    from specedge.bench import baselines
+
+    def not_chosen(*args):
+        raise AssertionError("transformers ran though --baselines left it out")
+
+    def llama_cpp(gguf, max_new_tokens, threads, text_ids):
+        def generate(ids):
+            time.sleep(0.003)
+            return baselines.Generation(max_new_tokens, 0.002)
+        row = {"generate": generate, "perplexity": 3.0, "n_batch": 512, "flash_attn": True,
+               "build": "STAND-IN BUILD"}
+        return {"llama.cpp plain": row, "llama.cpp prompt lookup": {
+            "skipped": "llama-cpp-python not installed (bash scripts/install_llama_cpp.sh)"}}
+
+    monkeypatch.setattr(baselines, "transformers_systems", not_chosen)
+    monkeypatch.setattr(baselines, "llama_cpp_systems", llama_cpp)
     out = tmp_path / "bench"
-    main(["bench", "--bundle", str(tiny_bundle), "--limit", "3", "--max-new-tokens", "12",
-          "--ks", "2", "3", "--no-baselines", "--out", str(out)])
+    main(["bench", "--bundle", str(own_tiny_bundle), "--limit", "3", "--max-new-tokens", "12",
+          "--ks", "2", "3", "--baselines", "llama.cpp", "--rounds", "2", "--out", str(out)])
     results = json.loads((out / "bench.json").read_text())
     configs = results["configurations"]
     assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
@@ -46,44 +67,77 @@ def test_bench_writes_json_markdown_and_plots(tiny_bundle, tmp_path, capsys):
         assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
         assert row["measured_over_ideal"] > 0
     assert len(configs["greedy/draft K=3"]["acceptance_per_position"]) == 3
-    best = results["systems"]["specedge best"]["configuration"]
+    # What auto K measured over the runs is stored in the bundle for the next Generator.
+    stored = json.loads(Path(results["auto_k"]).read_text())
+    assert Path(results["auto_k"]) == own_tiny_bundle / "auto_k.json"
+    assert {(e["source"], e["greedy"]) for e in stored["acceptance"]} >= {("model", True),
+                                                                            ("model", False)}
+    assert stored["machines"][0]["written_by"] == "specedge bench"
+    systems = results["systems"]
+    assert list(systems) == ["specedge plain", "specedge best", "llama.cpp plain",
+                             "llama.cpp prompt lookup"]
+    best = systems["specedge best"]["configuration"]
     assert best.startswith("greedy/") and best in configs
-    for name in ("specedge plain", "specedge best"):  # timed again, taking turns
-        system = results["systems"][name]
-        assert system["tokens"] > 0
-        assert system["tokens_per_second"] == system["tokens"] / system["seconds"]
+    assert results["systems_rounds"] == 2 and results["systems_prompts"] == 3
+    for name in ("specedge plain", "specedge best", "llama.cpp plain"):  # taking turns
+        system = systems[name]
+        assert len(system["rounds"]) == 2
+        for r in system["rounds"]:
+            assert r["tokens"] > 0 and r["tokens_per_second"] == r["tokens"] / r["seconds"]
+            assert r["decode_tokens"] == r["tokens"] - 3  # the first token of 3 prompts
+            assert r["decode_tokens_per_second"] == r["decode_tokens"] / r["decode_seconds"]
+            assert r["seconds"] > r["decode_seconds"] > 0
+        assert system["tokens_per_second"] == pytest.approx(
+            (system["rounds"][0]["tokens_per_second"]
+             + system["rounds"][1]["tokens_per_second"]) / 2)  # the median of two
     # The tiny model is untrained: its perplexity is near its vocabulary size, not 1.
-    ppl = results["systems"]["specedge plain"]["perplexity"]
-    assert 10 < ppl < 1e4 and results["systems"]["specedge best"]["perplexity"] == ppl
+    ppl = systems["specedge plain"]["perplexity"]
+    assert 10 < ppl < 1e4 and systems["specedge best"]["perplexity"] == ppl
     assert results["quality_tokens"] > 100
+    # Against the stand-in llama.cpp: its prompt lookup skipped, its plain system is best.
+    ratios = results["system_ratios"]
+    assert [(r["ratio"], r["speed"], r["denominator"]) for r in ratios] == [
+        ("specedge best / llama.cpp best", "decode", "llama.cpp plain"),
+        ("specedge best / llama.cpp best", "end to end", "llama.cpp plain"),
+        ("specedge plain / llama.cpp plain", "decode", "llama.cpp plain"),
+        ("specedge plain / llama.cpp plain", "end to end", "llama.cpp plain")]
+    for r in ratios:
+        assert len(r["rounds"]) == 2 and r["ci95"][0] <= r["median"] <= r["ci95"][1]
     for name in ("bench.md", "speedup_vs_k.png", "acceptance_per_position.png",
                  "systems.png"):
         assert (out / name).stat().st_size > 0
     printed = capsys.readouterr().out
     assert "| greedy/draft K=2 |" in printed
     assert "| configuration | chat |" in printed and "| greedy/plain | 1.00x |" in printed
-    assert f"| 1.00x | {ppl:.2f} |" in printed
+    plain = systems["specedge plain"]
+    assert (f"| specedge plain | {plain['tokens_per_second']:.1f} | "
+            f"{plain['decode_tokens_per_second']:.1f} | {ppl:.2f} |") in printed
+    assert (f"| specedge plain / llama.cpp plain | decode | {ratios[2]['median']:.2f}x | "
+            f"{ratios[2]['ci95'][0]:.2f}–{ratios[2]['ci95'][1]:.2f}x |") in printed
+    assert printed.count("STAND-IN BUILD") == 1
 
 
 def test_systems_take_turns_prompt_by_prompt():
     """Every system generates once to warm up, then once per prompt, the first of them
     changing each prompt; a skipped system is reported, not run."""
-    from specedge.bench.baselines import time_systems
+    from specedge.bench.baselines import Generation, time_systems
 
     calls = []
 
     def system(name, tokens):
         def generate(ids):
             calls.append((name, ids[0]))
-            return tokens
+            return Generation(tokens, 0.001)
         return {"generate": generate, "perplexity": 1.5}
 
     systems = {"a": system("a", 3), "b": system("b", 5), "c": {"skipped": "not installed"}}
     results = time_systems(systems, [[0], [1], [2]])
     assert calls == [("a", 0), ("b", 0),                          # warm-up
                      ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
-    assert results["a"]["tokens"] == 9 and results["b"]["tokens"] == 15
-    assert results["a"]["tokens_per_second"] == 9 / results["a"]["seconds"]
+    (a,), (b,) = results["a"]["rounds"], results["b"]["rounds"]
+    assert a["tokens"] == 9 and b["tokens"] == 15
+    assert results["a"]["tokens_per_second"] == 9 / a["seconds"]
+    assert results["a"]["decode_tokens_per_second"] == pytest.approx(6 / 0.003)
     assert results["a"]["perplexity"] == 1.5 and "generate" not in results["a"]
     assert results["c"] == {"skipped": "not installed"}
 
@@ -134,9 +188,14 @@ def test_transformers_systems_run_plain_and_both_assisted_kinds(tiny_bundle, mon
     systems = transformers_systems(tiny_bundle, 9, [3 + i % 20 for i in range(40)])
     assert set(systems) == {"transformers plain", "transformers assisted",
                             "transformers prompt lookup"}
-    counts = [systems[name]["generate"]([5, 6, 7, 5, 6, 7, 5, 6]) for name in systems]
-    assert counts == [9, 9, 9]
+    runs = {name: systems[name]["generate"]([5, 6, 7, 5, 6, 7, 5, 6]) for name in systems}
+    assert [run.tokens for run in runs.values()] == [9, 9, 9]
     assert assisted == [True, False]  # plain decoding does not assist itself
+    # the decode time starts when the first new tokens arrive: one at a time in plain
+    # decoding, possibly several with the first verification of assisted generation
+    assert runs["transformers plain"].first_tokens == 1
+    for run in runs.values():
+        assert 1 <= run.first_tokens <= 9 and run.decode_seconds > 0
     assert all(10 < system["perplexity"] < 1e4 for system in systems.values())
 
 
@@ -154,11 +213,11 @@ def test_aggregate_uses_ratios_of_sums():
     assert row["outside_model_share"] == pytest.approx(0.1)
 
 
-def test_bench_runs_on_another_backend(tiny_bundle, tmp_path):
+def test_bench_runs_on_another_backend(own_tiny_bundle, tmp_path):
     """--backend: the GPU backends' code path (here host-emulated) runs every configuration."""
     out = tmp_path / "bench"
-    main(["bench", "--bundle", str(tiny_bundle), "--limit", "1", "--max-new-tokens", "6",
-          "--ks", "2", "--no-baselines", "--backend", "host-emulated", "--out", str(out)])
+    main(["bench", "--bundle", str(own_tiny_bundle), "--limit", "1", "--max-new-tokens", "6",
+          "--ks", "2", "--baselines", "--backend", "host-emulated", "--out", str(out)])
     results = json.loads((out / "bench.json").read_text())
     assert results["backend"] == "host-emulated"
     assert results["configurations"]["sampled/draft K=2"]["tokens_per_second"] > 0

@@ -108,14 +108,14 @@ def test_per_prompt_speedups_and_their_geometric_mean():
     assert geometric_mean([None]) is None
 
 
-def test_quick_bench_on_a_prompt_file_reports_its_categories(tiny_bundle, tmp_path, capsys):
+def test_quick_bench_on_a_prompt_file_reports_its_categories(own_tiny_bundle, tmp_path, capsys):
     prompts = write_lines(tmp_path / "mine.jsonl", [
         json.dumps({"category": "support chat", "messages": MESSAGES}),
         json.dumps({"category": "extraction", "prompt": "List the colours: red, blue."}),
     ])
     out = tmp_path / "bench"
-    main(["bench", "--bundle", str(tiny_bundle), "--prompts", str(prompts), "--quick",
-          "--no-baselines", "--max-new-tokens", "8", "--out", str(out)])
+    main(["bench", "--bundle", str(own_tiny_bundle), "--prompts", str(prompts), "--quick",
+          "--baselines", "--max-new-tokens", "8", "--out", str(out)])
     results = json.loads((out / "bench.json").read_text())
     configs = results["configurations"]
     assert list(configs) == ["greedy/plain", "greedy/default"]
@@ -138,7 +138,7 @@ def test_quick_bench_on_a_prompt_file_reports_its_categories(tiny_bundle, tmp_pa
     assert "## Systems" not in markdown
 
 
-def test_messages_reach_the_generator_as_messages(tiny_bundle, tmp_path, monkeypatch):
+def test_messages_reach_the_generator_as_messages(own_tiny_bundle, tmp_path, monkeypatch):
     """A `messages` prompt is generated from its whole conversation (system turn included),
     not from its last message alone."""
     from specedge.runtime import Generator
@@ -153,17 +153,17 @@ def test_messages_reach_the_generator_as_messages(tiny_bundle, tmp_path, monkeyp
     monkeypatch.setattr(Generator, "generate", spy)
     prompts = write_lines(tmp_path / "mine.jsonl", [
         json.dumps({"messages": MESSAGES}), json.dumps({"prompt": "Hello"})])
-    main(["bench", "--bundle", str(tiny_bundle), "--prompts", str(prompts), "--quick",
+    main(["bench", "--bundle", str(own_tiny_bundle), "--prompts", str(prompts), "--quick",
           "--max-new-tokens", "4", "--out", str(tmp_path / "bench")])
     # warm-up (2 configurations on the first prompt), then 2 prompts x 2 configurations
     assert seen == [(None, MESSAGES)] * 4 + [("Hello", None)] * 2
 
 
-def test_bench_with_a_bad_prompt_file_exits_2_with_one_line(tiny_bundle, tmp_path, capsys):
+def test_bench_with_a_bad_prompt_file_exits_2_with_one_line(own_tiny_bundle, tmp_path, capsys):
     prompts = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "ok"}),
                                                    '{"category": "chat"}'])
     with pytest.raises(SystemExit) as info:
-        main(["bench", "--bundle", str(tiny_bundle), "--prompts", str(prompts), "--quick",
+        main(["bench", "--bundle", str(own_tiny_bundle), "--prompts", str(prompts), "--quick",
               "--out", str(tmp_path / "bench")])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
@@ -172,12 +172,12 @@ def test_bench_with_a_bad_prompt_file_exits_2_with_one_line(tiny_bundle, tmp_pat
     assert not (tmp_path / "bench").exists()
 
 
-def test_a_prompt_too_long_for_the_bundle_is_named_before_timing(tiny_bundle, tmp_path,
+def test_a_prompt_too_long_for_the_bundle_is_named_before_timing(own_tiny_bundle, tmp_path,
                                                                   capsys):
     prompts = write_lines(tmp_path / "long.jsonl", [json.dumps({"prompt": "ok"}),
                                                     json.dumps({"prompt": "word " * 5000})])
     with pytest.raises(SystemExit) as info:
-        main(["bench", "--bundle", str(tiny_bundle), "--prompts", str(prompts), "--quick",
+        main(["bench", "--bundle", str(own_tiny_bundle), "--prompts", str(prompts), "--quick",
               "--out", str(tmp_path / "bench")])
     assert info.value.code == 2
     err = capsys.readouterr().err

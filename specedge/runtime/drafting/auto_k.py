@@ -36,6 +36,12 @@ prior. A T not measured yet is estimated linearly from the T that are. A K is on
 measured where it is used, so every PROBE_EVERY steps auto tries one K more, and half-way
 one K less, than its choice. K follows measured times, so with `auto` a seed fixes the
 distribution but not the exact text of a sampled generation.
+
+`Histories.record` and `Histories.seed` carry these measurements from one process to the
+next through a file in the bundle (drafting/stored.py), so a new Generator drafts the K the
+draft's known acceptance calls for from its first step. From the prior, two early misses
+held the SmolLM2 int4 feature draft at K = 0 (plain decoding) until the next probe, for
+most of a 96-token answer (docs/design.md#choosing-k-automatically).
 """
 
 from __future__ import annotations
@@ -93,6 +99,10 @@ class StepHistory:
         self.draft: float | None = None
         self.tries = [0.0] * AUTO_MAX_K
         self.accepts = [0.0] * AUTO_MAX_K
+        # The same counts without decay: what a stored record keeps of this source, so that
+        # it describes every prompt measured and not only the last ones.
+        self.total_tries = [0.0] * AUTO_MAX_K
+        self.total_accepts = [0.0] * AUTO_MAX_K
         self.steps = 0
 
     def observe(self, drafted: int, accepted: int, seconds: float, draft_seconds: float = 0.0,
@@ -107,7 +117,18 @@ class StepHistory:
         for i in range(min(examined_positions(drafted, accepted), AUTO_MAX_K)):
             self.tries[i] = self.tries[i] * keep + 1.0
             self.accepts[i] = self.accepts[i] * keep + (i < accepted)
+            self.total_tries[i] += 1.0
+            self.total_accepts[i] += i < accepted
         self.steps += 1
+
+    def seed_acceptance(self, tries: Sequence[float], accepts: Sequence[float]) -> None:
+        """Start from stored counts per position, weighed as at most HISTORY tries each (a
+        full window), so the steps measured from now on take over as they do from the
+        prior."""
+        for i, (n, a) in enumerate(zip(tries[:AUTO_MAX_K], accepts[:AUTO_MAX_K])):
+            weight = min(n, HISTORY) / n if n > 0 else 0.0
+            self.tries[i] = self.total_tries[i] = n * weight
+            self.accepts[i] = self.total_accepts[i] = min(a, n) * weight
 
     def betas(self, k_max: int) -> list[float]:
         """beta_1 .. beta_k_max, smoothed as the module docstring says."""
@@ -174,6 +195,35 @@ class Histories:
     def clear(self) -> None:
         self._steps.clear()
         self._verify.clear()
+
+    def record(self) -> dict:
+        """What has been measured, as plain JSON-able data: per (source, sampling mode) its
+        acceptance counts per position (undecayed) and d; per sampling mode v(T)."""
+        return {
+            "acceptance": [{"source": source, "greedy": greedy, "steps": h.steps,
+                            "tries": h.total_tries, "accepts": h.total_accepts}
+                           for (source, greedy), h in self._steps.items() if h.steps],
+            "draft_seconds": [{"source": source, "greedy": greedy, "seconds": h.draft}
+                              for (source, greedy), h in self._steps.items()
+                              if h.draft is not None],
+            "verify_seconds": [{"greedy": greedy, "tokens": t, "seconds": v}
+                               for greedy, costs in self._verify.items()
+                               for t, v in sorted(costs.items())],
+        }
+
+    def seed(self, record: dict, costs: bool = True) -> None:
+        """Start from a `record` (as `record` returns it): acceptance always, since it is a
+        property of the draft and the prompts; d and v(T) only with `costs`, when they were
+        measured on this machine and backend."""
+        for entry in record.get("acceptance", ()):
+            self.of(entry["source"], entry["greedy"]).seed_acceptance(entry["tries"],
+                                                                      entry["accepts"])
+        if not costs:
+            return
+        for entry in record.get("draft_seconds", ()):
+            self.of(entry["source"], entry["greedy"]).draft = entry["seconds"]
+        for entry in record.get("verify_seconds", ()):
+            self._verify.setdefault(entry["greedy"], {})[entry["tokens"]] = entry["seconds"]
 
     def of(self, source: str, greedy: bool) -> StepHistory:
         history = self._steps.get((source, greedy))

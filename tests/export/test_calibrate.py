@@ -1,0 +1,55 @@
+"""`specedge export` measures a new bundle's draft (auto_k.json) so that auto K starts from
+its acceptance: written after the export, kept while the bundle is up to date, skipped with
+--measure-prompts 0 or without a draft."""
+
+from __future__ import annotations
+
+import json
+
+from specedge.cli import main
+from specedge.runtime import Generator
+from specedge.runtime.drafting import stored
+
+
+def export(capsys, checkpoint, out, *args) -> dict:
+    capsys.readouterr()
+    main(["export", str(checkpoint), "--out", str(out), *map(str, args)])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_export_stores_the_drafts_measurements(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "b"
+    said = export(capsys, tiny_checkpoints["llama"], out, "--draft-layers", "1",
+                  "--measure-prompts", "3")
+    path = out / stored.FILE
+    assert said["auto_k"] == str(path)
+    record = json.loads(path.read_text())
+    # The default drafter's sources, greedy, counted over the three prompts' steps.
+    sources = {e["source"] for e in record["acceptance"] if e["greedy"]}
+    assert "lookup+model/model" in sources
+    model = next(e for e in record["acceptance"] if e["source"] == "lookup+model/model")
+    assert model["steps"] > 3 and model["tries"][0] > 0
+    (machine,) = record["machines"]
+    assert machine["machine"] == stored.machine_of("ort-cpu", None)
+    assert machine["written_by"] == "specedge export"
+    assert {e["tokens"] for e in machine["verify_seconds"]} >= {1, 2}
+    # A Generator on this machine starts from all of it.
+    gen = Generator.from_bundle(out)
+    assert gen.stored_costs
+    assert gen._histories.of("lookup+model/model", True).tries[0] > 0
+
+    # Up to date: neither the bundle nor its measurements are redone.
+    before = path.read_text()
+    said = export(capsys, tiny_checkpoints["llama"], out, "--draft-layers", "1",
+                  "--measure-prompts", "3")
+    assert said["auto_k"] == str(path) and path.read_text() == before
+    # A re-export replaces the folder, measurements included; 0 skips measuring.
+    said = export(capsys, tiny_checkpoints["llama"], out, "--draft-layers", "1",
+                  "--measure-prompts", "0", "--force")
+    assert "auto_k" not in said and not path.exists()
+
+
+def test_no_draft_no_measurement(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "b"
+    said = export(capsys, tiny_checkpoints["llama"], out)
+    assert "auto_k" not in said and not (out / stored.FILE).exists()
