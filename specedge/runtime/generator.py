@@ -13,7 +13,7 @@ import numpy as np
 
 from specedge.runtime.backends import load_backend
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.config import GenerationConfig, check_token_ids
+from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import (
     FeatureDrafter,
     LookupThenModelDrafter,
@@ -34,6 +34,20 @@ class GenerationResult:
     token_ids: list[int]
     stats: dict
     stop_reason: str  # "eos", "stop_string", "max_new_tokens" or "cancelled"
+
+
+def context_limit(bundle, config: GenerationConfig) -> int:
+    """Largest prompt + max_new_tokens for a generation with `config` on `bundle`: the
+    target's context, and the draft's if that generation runs the draft model (a drafter
+    other than prompt lookup); ValueError when it needs a draft model the bundle lacks.
+    A function of the bundle alone, so a server's front end checks requests without
+    opening the models."""
+    limits = [bundle.target.max_context]
+    if config.use_draft and config.drafter != "prompt-lookup":
+        if bundle.draft is None:
+            make_drafter(config.drafter, None)  # raises the message that says what to do
+        limits.append(bundle.draft.max_context)
+    return min(limits)
 
 
 class Generator:
@@ -78,9 +92,8 @@ class Generator:
         return cls(bundle, target, draft, TextCodec(bundle), threads)
 
     def context_limit(self, config: GenerationConfig) -> int:
-        """Largest prompt + max_new_tokens for a generation with `config`: the target's
-        context, and the draft's if that generation runs it."""
-        return self.max_context(self._drafter(config))
+        """Largest prompt + max_new_tokens for a generation with `config` (`context_limit`)."""
+        return context_limit(self.bundle, config)
 
     def max_context(self, drafter=None) -> int:
         """Largest prompt + new tokens: the target's context, and the draft's if it runs."""
@@ -233,26 +246,5 @@ class Generator:
                       messages: Sequence[dict[str, str]] | None = None,
                       raw: bool = False) -> list[int]:
         """The token ids a generation starts from (exactly one of the three, as `stream`
-        takes them), with the same checks and messages."""
-        given = [x is not None for x in (prompt, prompt_ids, messages)]
-        if sum(given) != 1:
-            raise ValueError("pass exactly one of prompt, prompt_ids or messages")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt.strip():
-                raise ValueError("prompt is empty: give some text to continue")
-            if raw or not self.codec.has_chat_template:
-                ids = self.codec.encode(prompt)
-            else:
-                ids = self.codec.encode_chat([{"role": "user", "content": prompt}])
-        elif messages is not None:
-            if not messages:
-                raise ValueError("messages is empty: give at least one message")
-            ids = self.codec.encode_chat(messages)
-        else:
-            ids = prompt_ids
-        ids = check_token_ids(ids, self.bundle.target.vocab_size)
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens: give some text to continue")
-        return ids
+        takes them), with the same checks and messages (TextCodec.encode_prompt)."""
+        return self.codec.encode_prompt(prompt, prompt_ids, messages, raw)

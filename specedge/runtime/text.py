@@ -23,6 +23,7 @@ from tokenizers import Encoding, Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from specedge.runtime.bundle import Bundle
+from specedge.runtime.config import check_token_ids
 from specedge.runtime.errors import BundleError
 
 # Roles are identifiers ("system", "user", "assistant", "tool", ...): no whitespace, which a
@@ -58,6 +59,7 @@ class TextCodec:
                 raise BundleError(f"the bundle's chat template does not parse ({e}); "
                                   "re-export the bundle, or use raw prompts") from e
         self._special = {"bos_token": bundle.bos_token or "", "eos_token": bundle.eos_token or ""}
+        self.vocab_size = bundle.target.vocab_size
 
     @property
     def has_chat_template(self) -> bool:
@@ -218,3 +220,33 @@ class TextCodec:
                 piece = state.step(self.tokenizer, token)
                 if piece:
                     yield piece
+
+    def encode_prompt(self, prompt: str | None = None,
+                      prompt_ids: Sequence[int] | None = None,
+                      messages: Sequence[dict[str, str]] | None = None,
+                      raw: bool = False) -> list[int]:
+        """The token ids a generation starts from: exactly one of `prompt` (chat-templated
+        unless `raw` or the bundle has no template), `prompt_ids` or `messages`, checked
+        against the vocabulary; ValueError says what is wrong."""
+        given = [x is not None for x in (prompt, prompt_ids, messages)]
+        if sum(given) != 1:
+            raise ValueError("pass exactly one of prompt, prompt_ids or messages")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt.strip():
+                raise ValueError("prompt is empty: give some text to continue")
+            if raw or not self.has_chat_template:
+                ids = self.encode(prompt)
+            else:
+                ids = self.encode_chat([{"role": "user", "content": prompt}])
+        elif messages is not None:
+            if not messages:
+                raise ValueError("messages is empty: give at least one message")
+            ids = self.encode_chat(messages)
+        else:
+            ids = prompt_ids
+        ids = check_token_ids(ids, self.vocab_size)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens: give some text to continue")
+        return ids

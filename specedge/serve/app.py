@@ -1,4 +1,6 @@
-"""The OpenAI-compatible app: one bundle, one worker, the routes `specedge serve` answers.
+"""The OpenAI-compatible app: one bundle, the routes `specedge serve` answers, and what
+runs the generations behind them: one local worker (worker.py, LocalEngine), or Ray Serve
+replicas on a cluster of devices (cluster/), with the same routes, checks and error shapes.
 
     POST /v1/chat/completions, /v1/completions   generation, whole or streamed (SSE)
     GET  /v1/models                              the one model
@@ -17,7 +19,6 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -53,7 +54,7 @@ from specedge.serve.streaming import (
     job_events,
     sse,
 )
-from specedge.serve.worker import Job, QueueFull, Worker
+from specedge.serve.worker import Job, LocalEngine, QueueFull
 
 log = logging.getLogger("specedge.serve")
 
@@ -84,14 +85,22 @@ class ServerSettings:
 
 
 class Server:
-    """The app's state: the worker, the metrics, and where the server is in its life:
-    "loading", "ready", "draining" (SIGTERM: finishing in-flight requests) or "failed"."""
+    """The app's state: the engine that runs generations (LocalEngine, or Ray replicas in
+    the cluster mode), the metrics, and where the server is in its life: "loading",
+    "ready", "draining" (SIGTERM: finishing in-flight requests) or "failed"."""
 
-    def __init__(self, settings: ServerSettings, load: Callable[[], Generator]):
+    def __init__(self, settings: ServerSettings, load: Callable[[], Generator] | None = None,
+                 engine=None):
         self.settings = settings
-        self.load = load
         self.metrics = ServerMetrics()
-        self.worker = Worker(settings.max_queue, self.metrics.queue_changed)
+        if engine is None:
+            engine = LocalEngine(settings.max_queue, settings.stall_timeout,
+                                 load or (lambda: Generator.from_bundle(
+                                     settings.bundle, backend=settings.backend,
+                                     threads=settings.threads)),
+                                 self.metrics.queue_changed)
+        self.engine = engine
+        self.text: Generator | None = None  # prompts are encoded and checked with it
         self.phase = "loading"
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] = lambda message: None
@@ -99,32 +108,26 @@ class Server:
     # ---- life -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.worker.start()
-        threading.Thread(target=self._load, name="specedge-load", daemon=True).start()
+        self.engine.start(self._loaded, self._failed)
 
-    def _load(self) -> None:
-        try:
-            generator = self.load()
-            # One short generation, so the first request does not pay for the first call.
-            generator.generate(prompt_ids=[0], max_new_tokens=2, use_draft=False)
-        except Exception as e:  # any failure to open the bundle ends the server
-            self.failure = str(e) or type(e).__name__
-            self.phase = "failed"
-            log.error("cannot load the bundle: %s", self.failure)
-            self.on_failure(self.failure)
-            return
-        self.worker.generator = generator
+    def _loaded(self, text) -> None:
+        self.text = text
         if self.phase == "loading":
             self.phase = "ready"
             log.info("ready: %s on %s", self.settings.name, self.settings.backend)
+
+    def _failed(self, message: str) -> None:
+        self.failure = message
+        self.phase = "failed"
+        log.error("cannot load the bundle: %s", message)
+        self.on_failure(message)
 
     def drain(self) -> None:
         """Stop taking requests; those in flight go on."""
         self.phase = "draining"
 
     def stop(self) -> None:
-        self.worker.withdraw_all("shutdown")
-        self.worker.stop()
+        self.engine.stop()
 
     # ---- checks -----------------------------------------------------------------------------
 
@@ -140,8 +143,8 @@ class Server:
                            type="authentication_error", code="invalid_api_key")
 
     def check_ready(self) -> Generator:
-        if self.phase == "ready" and self.worker.generator is not None:
-            return self.worker.generator
+        if self.phase == "ready" and self.text is not None:
+            return self.text
         message = {"loading": "the model is still loading; retry in a few seconds",
                    "draining": "the server is shutting down and takes no new requests",
                    "failed": f"the model failed to load: {self.failure}"}[self.phase]
@@ -170,12 +173,6 @@ class Server:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
-
-    def stalled(self) -> float:
-        """Seconds the running generation has gone without a token (0 when idle)."""
-        if self.worker.running is None:
-            return 0.0
-        return time.monotonic() - self.worker.last_progress
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -227,19 +224,16 @@ class Server:
             raise bad_request(str(e), param="messages" if isinstance(req, ChatRequest)
                               else "prompt") from e
 
-    def submit(self, ids: list[int], config: GenerationConfig) -> Job:
-        job = Job({"prompt_ids": ids, "config": config}, asyncio.get_running_loop())
+    async def submit(self, ids: list[int], config: GenerationConfig) -> Job:
         try:
-            self.worker.submit(job)
-        except QueueFull:
-            raise APIError(429, f"the server is busy: {self.worker.max_queue} requests are "
-                           "already waiting; retry shortly", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"}) from None
-        return job
+            return await self.engine.submit(ids, config)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
 
     def events(self, job: Job, receive) -> AsyncIterator[tuple[str, object]]:
         s = self.settings
-        return job_events(job, self.worker, receive, s.request_timeout, s.keepalive)
+        return job_events(job, self.engine, receive, s.request_timeout, s.keepalive)
 
     def finished(self, job: Job, result: GenerationResult, prompt_tokens: int) -> None:
         self.metrics.generation(result.stats, prompt_tokens, time.monotonic() - job.arrived)
@@ -300,16 +294,16 @@ class Server:
             finally:
                 self.metrics.requests.labels(endpoint, str(status)).inc()
 
-        return EventStream(frames)
+        return EventStream(frames, job.headers)
 
     # ---- routes -----------------------------------------------------------------------------
 
     async def completions(self, request: Request, chat: bool) -> Response:
         req, ids, config = await self.prepare(request, chat)
-        job = self.submit(ids, config)
+        job = await self.submit(ids, config)
         if req.stream:
             return self.streamed(request, job, ids, chat, req.include_usage)
-        return JSONResponse(await self.whole(request, job, ids, chat))
+        return JSONResponse(await self.whole(request, job, ids, chat), headers=job.headers)
 
     async def tokenize(self, request: Request) -> dict:
         self.check_key(request)
@@ -348,18 +342,13 @@ class Server:
             "max_model_len": generator.bundle.target.max_context}]}
 
     def health(self) -> Response:
-        stalled = self.stalled()
         if self.phase != "ready":
             body = {"status": self.phase} | ({"error": self.failure} if self.failure else {})
             return JSONResponse(body, status_code=503)
-        if not self.worker.thread.is_alive():
-            return JSONResponse({"status": "failed", "error": "the worker thread died"},
-                                status_code=503)
-        if stalled > self.settings.stall_timeout:
-            return JSONResponse({"status": "stalled", "error": f"no token for {stalled:.0f} s"},
-                                status_code=503)
-        return JSONResponse({"status": "ok", "waiting": self.worker.waiting,
-                             "running": int(self.worker.running is not None)})
+        problem = self.engine.problem()
+        if isinstance(problem, tuple):
+            return JSONResponse({"status": problem[0], "error": problem[1]}, status_code=503)
+        return JSONResponse({"status": "ok"} | problem)
 
 
 def _as_api_error(error: BaseException) -> APIError:
@@ -394,11 +383,12 @@ def _json(endpoint: str, server: Server, handler) -> Callable:
 
 def build_app(settings: ServerSettings, load: Callable[[], Generator] | None = None,
               server: Server | None = None) -> Starlette:
-    """The Starlette app for `settings`; `load` opens the bundle (Generator.from_bundle by
+    """The Starlette app for `settings`, the one app of both modes: `specedge serve` runs it
+    on uvicorn with a LocalEngine, the cluster mode inside a Ray Serve ingress with Ray
+    replicas behind it (cluster/). `load` opens the bundle (Generator.from_bundle by
     default), on a thread after start-up, so /health answers 503 while it runs."""
     if server is None:
-        server = Server(settings, load or (lambda: Generator.from_bundle(
-            settings.bundle, backend=settings.backend, threads=settings.threads)))
+        server = Server(settings, load)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

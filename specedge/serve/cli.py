@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +62,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence before a stream sends a keep-alive comment")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    ray = p.add_argument_group("cluster mode (the ray extra; docs/cluster.md)")
+    ray.add_argument("--ray", metavar="ADDRESS", default=None,
+                     help="serve on the Ray cluster whose head is at ADDRESS (host:port, or "
+                     "'auto' on a node of it): one replica per node that offers the device "
+                     "resource; --max-queue then caps the requests waiting for a replica")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="a fixed number of replicas (default: --min-replicas, or 1)")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscaling on ongoing requests between --min-replicas and "
+                     "--max-replicas")
+    ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--device-resource", default="edge_device",
+                     help="the Ray custom resource each device node offers once (default "
+                     "edge_device: ray start --resources '{\"edge_device\": 1}')")
+    ray.add_argument("--proxy-location", default="EveryNode",
+                     choices=["EveryNode", "HeadOnly"],
+                     help="where Ray Serve runs its HTTP proxy on --host:--port (default: "
+                     "every node)")
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -98,7 +118,59 @@ def _settings(args: argparse.Namespace):
         keepalive=args.keepalive)
 
 
+def _cluster(args: argparse.Namespace):
+    """ClusterSettings from the --ray flags."""
+    from specedge.serve.cluster import ClusterSettings
+
+    if args.replicas is not None and (args.min_replicas or args.max_replicas):
+        fail("give --replicas, or --min-replicas and --max-replicas, not both")
+    low = args.replicas or args.min_replicas or 1
+    high = args.replicas or args.max_replicas or max(low, 1)
+    settings = ClusterSettings(min_replicas=low, max_replicas=high,
+                               device_resource=args.device_resource)
+    try:
+        settings.check()
+    except ValueError as e:
+        fail(f"--min-replicas/--max-replicas: {e}")
+    return settings
+
+
+def run_serve_on_ray(args: argparse.Namespace) -> None:
+    """The same app on a Ray Serve cluster (cluster/), until SIGTERM or Ctrl-C."""
+    try:
+        from specedge.serve.cluster import run_cluster
+    except ImportError as e:
+        fail(f"`specedge serve --ray` needs the ray extra (missing {e.name}): "
+             "pip install 'specedge[serve,ray]'")
+    settings = _settings(args)
+    cluster = _cluster(args)
+    try:
+        load_bundle(settings.bundle)
+    except SpecEdgeError as e:
+        fail(str(e))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s:     %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def wait() -> None:
+        # Installed once connected: ray.init sets a SIGTERM handler of its own.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+        log.info("stopping: taking the app off the cluster")
+
+    try:
+        run_cluster(args.ray, settings, cluster, args.host, args.port, wait,
+                    proxy_location=args.proxy_location)
+    except Exception as e:  # Ray's own errors: the cluster is unreachable, a deploy failed
+        fail(f"cannot serve {settings.bundle} on the Ray cluster {args.ray}: {e}")
+    sys.exit(0)
+
+
 def run_serve(args: argparse.Namespace) -> None:
+    if getattr(args, "ray", None):
+        run_serve_on_ray(args)
     try:
         import uvicorn
 
@@ -132,18 +204,17 @@ def run_serve(args: argparse.Namespace) -> None:
                 self.should_exit = True
                 return
             log.info("draining: no new requests; waiting up to %g s for %d in flight",
-                     settings.shutdown_timeout, server.worker.waiting
-                     + int(server.worker.running is not None))
+                     settings.shutdown_timeout, server.engine.in_flight)
             server.drain()
             self.drain_deadline = time.monotonic() + settings.shutdown_timeout
 
         async def on_tick(self, counter: int) -> bool:
             if self.drain_deadline is not None and not self.should_exit:
-                if server.worker.idle:
+                if server.engine.idle:
                     self.should_exit = True
                 elif time.monotonic() >= self.drain_deadline:
                     log.warning("shutdown timeout: stopping the requests still in flight")
-                    server.worker.withdraw_all("shutdown")
+                    server.engine.withdraw_all("shutdown")
                     self.should_exit = True
             return await super().on_tick(counter)
 

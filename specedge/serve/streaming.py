@@ -17,10 +17,10 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from specedge.serve.protocol import APIError
-from specedge.serve.worker import Job, Worker
+from specedge.serve.worker import Job
 
 Receive = Callable[[], Awaitable[dict]]
 DONE = b"data: [DONE]\n\n"
@@ -48,7 +48,13 @@ def ended_early(job: Job, shutdown_message: str) -> APIError:
     return APIError(499, "the request was cancelled", code="cancelled")
 
 
-async def job_events(job: Job, worker: Worker, receive: Receive, timeout: float,
+class Withdraws(Protocol):
+    """What runs the jobs (worker.LocalEngine, cluster's RayEngine): it can take one back."""
+
+    def withdraw(self, job: Job, why: str) -> None: ...
+
+
+async def job_events(job: Job, engine: Withdraws, receive: Receive, timeout: float,
                      keepalive: float) -> AsyncIterator[tuple[str, Any]]:
     """The job's events up to ("done", result) or ("error", exception), with
     ("keepalive", None) after `keepalive` seconds of silence.
@@ -72,10 +78,10 @@ async def job_events(job: Job, worker: Worker, receive: Receive, timeout: float,
                 if kind in ("done", "error"):
                     return
             elif gone in done:
-                worker.withdraw(job, "disconnected")
+                engine.withdraw(job, "disconnected")
                 raise ClientGone
             elif time.monotonic() >= deadline:
-                worker.withdraw(job, "timeout")
+                engine.withdraw(job, "timeout")
                 raise APIError(504, f"the request ran longer than the server's request "
                                f"timeout ({timeout:g} s) and was stopped; ask for fewer "
                                "tokens, or start the server with a longer --request-timeout",
@@ -87,7 +93,7 @@ async def job_events(job: Job, worker: Worker, receive: Receive, timeout: float,
         if get is not None:
             get.cancel()
         if not job.finished:
-            worker.withdraw(job, "disconnected")
+            engine.withdraw(job, "disconnected")
 
 
 class EventStream:
@@ -95,14 +101,17 @@ class EventStream:
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: Callable[[Receive], AsyncIterator[bytes]]):
+    def __init__(self, frames: Callable[[Receive], AsyncIterator[bytes]],
+                 headers: dict[str, str] | None = None):
         self.frames = frames
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: dict, receive: Receive, send: Callable) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),  # reverse proxies: do not buffer the events
+            *self.headers,
         ]})
         async for frame in self.frames(receive):
             await send({"type": "http.response.body", "body": frame, "more_body": True})

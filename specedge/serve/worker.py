@@ -15,8 +15,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from specedge.runtime.config import GenerationConfig
+from specedge.runtime.generator import Generator
 
 log = logging.getLogger("specedge.serve")
 
@@ -38,6 +42,7 @@ class Job:
     started: float | None = None
     finished: bool = False
     why_cancelled: str | None = None  # "disconnected", "timeout" or "shutdown"
+    headers: dict[str, str] = field(default_factory=dict)  # added to the HTTP response
 
     def post(self, kind: str, value: Any = None) -> None:
         """Called on the worker thread: hand an event to the request's event loop."""
@@ -134,3 +139,78 @@ class Worker:
                 self.running = None
                 self._changed()
             job.post(*outcome)
+
+
+class LocalEngine:
+    """What runs generations in `specedge serve`: one Generator in this process, behind the
+    Worker's thread and bounded queue. The cluster mode puts Ray replicas behind the same
+    interface (cluster/ingress.py, RayEngine): `start`, `stop`, `submit`, `withdraw`,
+    `withdraw_all`, `idle`, `in_flight`, `problem`."""
+
+    def __init__(self, max_queue: int, stall_timeout: float, load: Callable[[], Generator],
+                 on_queue_change: Callable[[int, int], None] | None = None):
+        self.load = load
+        self.stall_timeout = stall_timeout
+        self.worker = Worker(max_queue, on_queue_change)
+
+    def start(self, loaded: Callable[[Generator], None],
+              failed: Callable[[str], None]) -> None:
+        """Open the bundle on a thread; then call `loaded(generator)` or `failed(message)`.
+        The generator is what the app encodes prompts and checks contexts with."""
+        self.worker.start()
+
+        def load() -> None:
+            try:
+                generator = self.load()
+                # One short generation, so the first request does not pay for the first call.
+                generator.generate(prompt_ids=[0], max_new_tokens=2, use_draft=False)
+            except Exception as e:  # any failure to open the bundle ends the server
+                failed(str(e) or type(e).__name__)
+                return
+            self.worker.generator = generator
+            loaded(generator)
+
+        threading.Thread(target=load, name="specedge-load", daemon=True).start()
+
+    def stop(self) -> None:
+        self.worker.withdraw_all("shutdown")
+        self.worker.stop()
+
+    async def submit(self, ids: list[int], config: GenerationConfig) -> Job:
+        """Queue a generation; QueueFull when every queue slot is taken."""
+        job = Job({"prompt_ids": ids, "config": config}, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise QueueFull(f"the server is busy: {self.worker.max_queue} requests are "
+                            "already waiting; retry shortly") from None
+        return job
+
+    def withdraw(self, job: Job, why: str) -> None:
+        self.worker.withdraw(job, why)
+
+    def withdraw_all(self, why: str) -> None:
+        self.worker.withdraw_all(why)
+
+    @property
+    def idle(self) -> bool:
+        return self.worker.idle
+
+    @property
+    def in_flight(self) -> int:
+        return self.worker.waiting + int(self.worker.running is not None)
+
+    def stalled(self) -> float:
+        """Seconds the running generation has gone without a token (0 when idle)."""
+        if self.worker.running is None:
+            return 0.0
+        return time.monotonic() - self.worker.last_progress
+
+    def problem(self) -> tuple[str, str] | dict:
+        """/health's view: (status, error) when unhealthy, else the queue's counts."""
+        if not self.worker.thread.is_alive():
+            return "failed", "the worker thread died"
+        stalled = self.stalled()
+        if stalled > self.stall_timeout:
+            return "stalled", f"no token for {stalled:.0f} s"
+        return {"waiting": self.worker.waiting, "running": int(self.worker.running is not None)}

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from serve.conftest import START_TIMEOUT, ServerProcess, run_server, start_server
+from tiny_models import export_slow_bundle
 
 from specedge.runtime.config import GenerationConfig
 
@@ -34,29 +35,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def slow_bundle(tmp_path_factory) -> Path:
-    """A random Llama (4 layers, hidden 256, MLP 2048, 2048 positions) with the tiny
-    character tokenizer; its EOS row is zeroed so that greedy runs reach max_tokens."""
-    import torch
-    from tiny_models import BOS, EOS, VOCAB, char_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from specedge.export.bundle_writer import export_bundle
-
-    root = tmp_path_factory.mktemp("slow")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=2048, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=SLOW_CONTEXT, initializer_range=0.3,
-                      tie_word_embeddings=False, vocab_size=len(VOCAB), bos_token_id=BOS,
-                      eos_token_id=EOS)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight[EOS] = 0.0
-    model.generation_config.eos_token_id = EOS
-    model.save_pretrained(root / "checkpoint")
-    char_tokenizer().save_pretrained(root / "checkpoint")
-    export_bundle(str(root / "checkpoint"), root / "bundle", draft_layers=1)
-    return root / "bundle"
+    """A slow random Llama of SLOW_CONTEXT positions (tiny_models.export_slow_bundle)."""
+    return export_slow_bundle(tmp_path_factory.mktemp("slow"), SLOW_CONTEXT)
 
 
 @contextmanager

@@ -1,0 +1,78 @@
+"""The cluster mode's pieces that need no cluster: the ingress encodes prompts and checks
+context lengths as the replica's Generator does, `app_builder`'s arguments, and the
+`--ray` flags' checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from specedge.runtime import Generator
+from specedge.runtime.config import GenerationConfig
+from specedge.serve.app import ServerSettings
+from specedge.serve.cluster import BundleText, ClusterSettings, _settings, app_builder
+
+MESSAGES = [[{"role": "user", "content": "hello world"}],
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a, b!"}],
+            [{"role": "user", "content": "<|im_end|> forged"}]]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_bundle):
+    return BundleText(str(tiny_bundle)), Generator.from_bundle(tiny_bundle, threads=1)
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+def test_the_ingress_encodes_chats_as_the_generator(pair, messages):
+    text, gen = pair
+    assert text.encode_prompt(messages=messages) == gen.encode_prompt(messages=messages)
+
+
+def test_the_ingress_encodes_raw_prompts_and_refuses_what_the_generator_refuses(pair):
+    text, gen = pair
+    assert text.encode_prompt("once upon", raw=True) == gen.encode_prompt("once upon", raw=True)
+    for bad in ({"prompt": "  "}, {"messages": []}, {"prompt_ids": [10**9]}):
+        with pytest.raises(ValueError) as ours:
+            text.encode_prompt(**bad)
+        with pytest.raises(ValueError) as theirs:
+            gen.encode_prompt(**bad)
+        assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("settings", [{}, {"use_draft": False}, {"drafter": "prompt-lookup"},
+                                      {"drafter": "model"}, {"drafter": "lookup+model"}])
+def test_the_ingress_context_limit_is_the_generators(pair, settings):
+    text, gen = pair
+    config = GenerationConfig(max_new_tokens=8, **settings)
+    assert text.context_limit(config) == gen.context_limit(config)
+
+
+def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
+    args = {"bundle": str(tiny_bundle), "max_queue": "4", "threads": "1",
+            "draft_tokens": "auto", "request_timeout": "30", "min_replicas": "1",
+            "max_replicas": "3"}
+    server, cluster = _settings(ServerSettings, args), _settings(ClusterSettings, args)
+    assert (server.max_queue, server.threads, server.draft_tokens) == (4, 1, "auto")
+    assert server.request_timeout == 30.0
+    assert (cluster.min_replicas, cluster.max_replicas) == (1, 3)
+    assert _settings(ServerSettings, {**args, "draft_tokens": "3"}).draft_tokens == 3
+    with pytest.raises(ValueError, match="unknown arguments.*'replica'"):
+        _settings(ServerSettings, {**args, "replica": "2"})
+    with pytest.raises(ValueError, match="give the bundle"):
+        app_builder({"replicas": "2"})
+    with pytest.raises(ValueError, match="min .3. <= max .2."):
+        app_builder({"bundle": str(tiny_bundle), "min_replicas": "3", "max_replicas": "2"})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicas", "2", "--min-replicas", "1"], "not both"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "min (3) <= max (2)"),
+])
+def test_bad_replica_flags_exit_before_connecting(tiny_bundle, flags, message):
+    done = subprocess.run([sys.executable, "-m", "specedge.cli", "serve", "--bundle",
+                           str(tiny_bundle), "--ray", "127.0.0.1:1", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
