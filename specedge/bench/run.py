@@ -157,7 +157,7 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
                   if name.startswith("greedy/")}
     best = max(end_to_end, key=end_to_end.get)  # the fastest exact configuration
     # The shipped set's passages, whatever --prompts: the same text for every system.
-    text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.max_context()]
+    text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.bundle.target.max_context]
     # on ONNX Runtime CPU whatever the bench's backend: a property of the graph
     ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads), text_ids)
     kwargs = dict(configs)

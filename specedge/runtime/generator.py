@@ -16,7 +16,6 @@ from specedge.runtime.bundle import load_bundle
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import (
     FeatureDrafter,
-    LookupThenModelDrafter,
     ModelDrafter,
     make_drafter,
     stored,
@@ -95,13 +94,6 @@ class Generator:
         """Largest prompt + max_new_tokens for a generation with `config` (`context_limit`)."""
         return context_limit(self.bundle, config)
 
-    def max_context(self, drafter=None) -> int:
-        """Largest prompt + new tokens: the target's context, and the draft's if it runs."""
-        limits = [self.bundle.target.max_context]
-        if isinstance(drafter, (ModelDrafter, LookupThenModelDrafter)):
-            limits.append(self.bundle.draft.max_context)
-        return min(limits)
-
     # ---- public API -----------------------------------------------------------------------
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
@@ -154,11 +146,11 @@ class Generator:
              cancel: threading.Event | None) -> PieceGenerator[str, None, GenerationResult]:
         """One generation; the caller holds the lock."""
         proposer = self._drafter(config)
-        context_limit = self.max_context(proposer)
-        if len(ids) + config.max_new_tokens > context_limit:
+        limit = context_limit(self.bundle, config)
+        if len(ids) + config.max_new_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
                              f"({config.max_new_tokens}) exceeds the bundle's context of "
-                             f"{context_limit} tokens; shorten the prompt or lower "
+                             f"{limit} tokens; shorten the prompt or lower "
                              "max_new_tokens")
         state = self._decoding(ids, config, proposer)
         tokens: list[int] = []
@@ -216,7 +208,8 @@ class Generator:
 
     def _decoding(self, prompt: list[int], config: GenerationConfig, drafter) -> Decoding:
         """The state of one generation, with the target's cache ready for the prompt."""
-        limit = capacity_for(len(prompt) + config.max_new_tokens, self.max_context(drafter))
+        limit = capacity_for(len(prompt) + config.max_new_tokens,
+                             context_limit(self.bundle, config))
         # A portable graph attends over the whole capacity: its host cache starts with room
         # for the prompt and grows between steps (kv_cache.py); other caches are sized once.
         capacity = capacity_for(len(prompt), limit) if self.target.grows_cache else limit

@@ -15,6 +15,17 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+def generation_counts(stats: dict, prompt_tokens: int) -> dict[str, int]:
+    """What one finished generation (its statistics, runtime/stats.py) adds to each counter,
+    by the counter's attribute name: the server's registry and the cluster replicas' Ray
+    metrics count from the same figures."""
+    tries = stats["position_tries"]
+    return {"prompt_tokens": prompt_tokens, "generation_tokens": stats["tokens_generated"],
+            "target_calls": stats["target_calls"] + 1,  # + the prefill call
+            "num_drafts": tries[0] if tries else 0, "draft_tokens": stats["drafted_tokens"],
+            "accepted_tokens": stats["accepted_tokens"]}
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -54,13 +65,8 @@ class ServerMetrics:
 
     def generation(self, stats: dict, prompt_tokens: int, seconds: float) -> None:
         """Count one finished generation from its statistics (runtime/stats.py)."""
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(stats["tokens_generated"])
-        self.target_calls.inc(stats["target_calls"] + 1)  # + the prefill call
-        tries = stats["position_tries"]
-        self.num_drafts.inc(tries[0] if tries else 0)
-        self.draft_tokens.inc(stats["drafted_tokens"])
-        self.accepted_tokens.inc(stats["accepted_tokens"])
+        for name, count in generation_counts(stats, prompt_tokens).items():
+            getattr(self, name).inc(count)
         for position, accepted in enumerate(stats["position_accepts"]):
             self.accepted_per_pos.labels(position=str(position)).inc(accepted)
         self.latency.observe(seconds)

@@ -92,9 +92,8 @@ def seed(histories: Histories, record: dict, machine: dict) -> bool:
     """Seed `histories` from `record`: acceptance always, the costs of `machine` if stored.
     True when the costs were found."""
     costs = next((m for m in record["machines"] if m["machine"] == machine), None)
-    histories.seed({"acceptance": record["acceptance"]})
-    if costs is not None:
-        histories.seed({**costs, "acceptance": []})
+    histories.seed({**(costs or {}), "acceptance": record["acceptance"]},
+                   costs=costs is not None)
     return costs is not None
 
 

@@ -19,7 +19,7 @@ from ray import serve
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.generator import Generator
 from specedge.serve.app import ServerSettings
-from specedge.serve.metrics import LATENCY_BUCKETS
+from specedge.serve.metrics import LATENCY_BUCKETS, generation_counts
 
 log = logging.getLogger("specedge.serve")
 
@@ -57,17 +57,9 @@ class ReplicaMetrics:
 
     def generation(self, stats: dict, prompt_tokens: int, first: float | None,
                    seconds: float) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
-        if stats["tokens_generated"]:
-            self.generation_tokens.inc(stats["tokens_generated"])
-        self.target_calls.inc(stats["target_calls"] + 1)  # + the prefill call
-        tries = stats["position_tries"]
-        if tries and tries[0]:
-            self.num_drafts.inc(tries[0])
-        if stats["drafted_tokens"]:
-            self.draft_tokens.inc(stats["drafted_tokens"])
-        if stats["accepted_tokens"]:
-            self.accepted_tokens.inc(stats["accepted_tokens"])
+        for name, count in generation_counts(stats, prompt_tokens).items():
+            if count:  # a Ray counter takes only positive increments
+                getattr(self, name).inc(count)
         for position, accepted in enumerate(stats["position_accepts"]):
             if accepted:
                 self.accepted_per_pos.inc(accepted, tags={"position": str(position)})
