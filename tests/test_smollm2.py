@@ -41,8 +41,7 @@ def test_bundle_is_the_real_model(gen):
     assert "<|im_start|>" in gen.bundle.chat_template
 
 
-@pytest.mark.parametrize("drafter,k", [("model", 4), ("model", 2), ("model", "auto"),
-                                       ("prompt-lookup", 5), ("lookup+model", 3)])
+@pytest.mark.parametrize("drafter,k", [("model", 4), ("model", "auto"), ("prompt-lookup", 5)])
 def test_speculative_equals_plain(gen, plain_outputs, drafter, k):
     check_equals_plain(gen, plain_outputs, drafter, k)
 
@@ -66,8 +65,7 @@ def check_equals_plain(gen, plain_outputs, drafter, k) -> None:
     assert accepted > (0.1 * total if drafter == "model" and k != "auto" else 0)
 
 
-@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("model", "auto"),
-                                       ("lookup+model", 3)])
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", "auto"), ("lookup+model", 3)])
 def test_feature_draft_speculative_equals_plain(smollm2_feature_bundle, plain_outputs,
                                                 drafter, k):
     """The feature draft in drafts/ (one layer on the target's features): same tokens as

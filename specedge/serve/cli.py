@@ -73,6 +73,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="autoscaling on ongoing requests between --min-replicas and "
                      "--max-replicas")
     ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--upscale-delay", type=float, default=None, metavar="SECONDS",
+                     help="how long requests must outnumber the replicas before one is added "
+                     "(default 30)")
+    ray.add_argument("--downscale-delay", type=float, default=None, metavar="SECONDS",
+                     help="how long replicas must outnumber the requests before one is removed "
+                     "(default 600)")
     ray.add_argument("--device-resource", default="edge_device",
                      help="the Ray custom resource each device node offers once (default "
                      "edge_device: ray start --resources '{\"edge_device\": 1}')")
@@ -122,16 +128,22 @@ def _cluster(args: argparse.Namespace):
     """ClusterSettings from the --ray flags."""
     from specedge.serve.cluster import ClusterSettings
 
-    if args.replicas is not None and (args.min_replicas or args.max_replicas):
+    bounds = (args.min_replicas, args.max_replicas)
+    if args.replicas is not None and bounds != (None, None):
         fail("give --replicas, or --min-replicas and --max-replicas, not both")
-    low = args.replicas or args.min_replicas or 1
-    high = args.replicas or args.max_replicas or max(low, 1)
+    if args.replicas is not None:
+        low = high = args.replicas
+    else:
+        low = 1 if args.min_replicas is None else args.min_replicas
+        high = max(low, 1) if args.max_replicas is None else args.max_replicas
+    delays = {name: getattr(args, name) for name in ("upscale_delay", "downscale_delay")
+              if getattr(args, name) is not None}
     settings = ClusterSettings(min_replicas=low, max_replicas=high,
-                               device_resource=args.device_resource)
+                               device_resource=args.device_resource, **delays)
     try:
         settings.check()
     except ValueError as e:
-        fail(f"--min-replicas/--max-replicas: {e}")
+        fail(str(e))
     return settings
 
 

@@ -42,6 +42,13 @@ def post_chat(url: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
 
 
+def two_at_once(url: str, text: str, max_tokens: int) -> list[httpx.Response]:
+    """Two requests sent together: with one request per replica, each replica serves one
+    when both are free."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda _: post_chat(url, chat_body(text, max_tokens)), range(2)))
+
+
 @pytest.mark.parametrize("messages", CHATS)
 def test_unary_and_streamed_chats_equal_the_generator(cluster_app, gen, messages):
     want = gen.generate(messages=messages, max_new_tokens=40)
@@ -66,9 +73,7 @@ def test_two_replicas_serve_from_two_nodes(cluster_app, ray_cluster, gen):
     """Two requests at once, each longer than the time to send the other: with one
     request per replica, they run on the two replicas, one on each node."""
     want = gen.generate(messages=CHATS[0], max_new_tokens=200).text
-    with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda _: post_chat(cluster_app.url, chat_body(
-            CHATS[0][0]["content"], 200)), range(2)))
+    answers = two_at_once(cluster_app.url, CHATS[0][0]["content"], 200)
     assert [a.status_code for a in answers] == [200, 200]
     assert all(a.json()["choices"][0]["message"]["content"] == want for a in answers)
     replicas = {a.headers["x-specedge-replica"] for a in answers}
@@ -78,22 +83,25 @@ def test_two_replicas_serve_from_two_nodes(cluster_app, ray_cluster, gen):
 
 
 def test_each_replica_exports_its_speculative_metrics(cluster_app, ray_cluster):
-    """The replicas have served (the tests above): each node's Ray metrics export has the
-    speculative counters of its own replica, tagged with the replica; the app's /metrics
-    has the same counters over all replicas, under `specedge serve`'s names."""
+    """Each node's Ray metrics export has the speculative counters of its own replica,
+    tagged with the replica; the app's /metrics has the same counters over all replicas,
+    under `specedge serve`'s names. (A node's export also keeps the series of replicas
+    that an earlier deployment ran there: only this app's two count.)"""
+    answers = two_at_once(cluster_app.url, "count me", 200)
+    ours = {a.headers["x-specedge-replica"] for a in answers}
+    assert len(ours) == 2, ours
     served = re.compile(r'^ray_specedge_generation_tokens(?:_total)?\{[^}]*replica="([^"]+)"'
                         r'[^}]*\} ([0-9.e+]+)$', re.M)
     deadline = time.monotonic() + 60  # Ray exports its metrics every few seconds
     while True:
-        per_node = [served.findall(httpx.get(f"http://127.0.0.1:{port}/metrics",
-                                             timeout=10).text)
-                    for port in ray_cluster.metrics_ports]
+        per_node = [[(replica, value) for replica, value in served.findall(httpx.get(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).text) if replica in ours]
+            for port in ray_cluster.metrics_ports]
         if all(per_node):
             break
         assert time.monotonic() < deadline, f"no replica metrics on some node: {per_node}"
         time.sleep(2)
-    replicas = {replica for node in per_node for replica, _ in node}
-    assert len(replicas) == 2, per_node
+    assert {replica for node in per_node for replica, _ in node} == ours, per_node
     assert all(float(value) > 0 for node in per_node for _, value in node)
     text = httpx.get(cluster_app.url + "/metrics", timeout=10).text
     for name in ("specedge_generation_tokens_total", "specedge_spec_decode_num_drafts_total",
@@ -120,9 +128,7 @@ def test_a_dropped_stream_frees_its_replica_within_a_step(cluster_app, gen):
         first_pieces = time.monotonic() - started
     want = gen.generate(messages=CHATS[1], max_new_tokens=20).text
     t0 = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda _: post_chat(cluster_app.url, chat_body(
-            CHATS[1][0]["content"], 20)), range(2)))
+    answers = two_at_once(cluster_app.url, CHATS[1][0]["content"], 20)
     both = time.monotonic() - t0
     assert [a.status_code for a in answers] == [200, 200]
     assert all(a.json()["choices"][0]["message"]["content"] == want for a in answers)
@@ -186,9 +192,7 @@ def test_a_killed_replica_fails_its_request_and_is_replaced(cluster_app, gen):
     deadline = time.monotonic() + 120
     seen: set[str] = set()
     while True:
-        with ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(lambda _: post_chat(cluster_app.url, chat_body(
-                CHATS[1][0]["content"], 20)), range(2)))
+        answers = two_at_once(cluster_app.url, CHATS[1][0]["content"], 20)
         ok = [a for a in answers if a.status_code == 200]
         assert all(a.json()["choices"][0]["message"]["content"] == want for a in ok)
         seen |= {a.headers["x-specedge-replica"] for a in ok}

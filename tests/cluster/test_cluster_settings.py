@@ -52,11 +52,12 @@ def test_the_ingress_context_limit_is_the_generators(pair, settings):
 def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
     args = {"bundle": str(tiny_bundle), "max_queue": "4", "threads": "1",
             "draft_tokens": "auto", "request_timeout": "30", "min_replicas": "1",
-            "max_replicas": "3"}
+            "max_replicas": "3", "upscale_delay": "5"}
     server, cluster = _settings(ServerSettings, args), _settings(ClusterSettings, args)
     assert (server.max_queue, server.threads, server.draft_tokens) == (4, 1, "auto")
     assert server.request_timeout == 30.0
-    assert (cluster.min_replicas, cluster.max_replicas) == (1, 3)
+    assert (cluster.min_replicas, cluster.max_replicas, cluster.upscale_delay) == (1, 3, 5.0)
+    assert cluster.downscale_delay == ClusterSettings.downscale_delay
     assert _settings(ServerSettings, {**args, "draft_tokens": "3"}).draft_tokens == 3
     with pytest.raises(ValueError, match="unknown arguments.*'replica'"):
         _settings(ServerSettings, {**args, "replica": "2"})
@@ -69,6 +70,8 @@ def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
 @pytest.mark.parametrize("flags, message", [
     (["--replicas", "2", "--min-replicas", "1"], "not both"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min (3) <= max (2)"),
+    (["--min-replicas", "0", "--max-replicas", "2"], "1 <= min (0)"),
+    (["--replicas", "2", "--upscale-delay", "-1"], "delays must be >= 0"),
 ])
 def test_bad_replica_flags_exit_before_connecting(tiny_bundle, flags, message):
     done = subprocess.run([sys.executable, "-m", "specedge.cli", "serve", "--bundle",

@@ -52,6 +52,11 @@ class ClusterSettings:
 
     min_replicas: int = 1
     max_replicas: int = 1                # more than min: autoscaling on ongoing requests
+    # Seconds the load must stay above (below) one ongoing request per replica before a
+    # replica is added (removed): Ray Serve's defaults. A replica costs a bundle load and a
+    # device, so neither follows a short burst.
+    upscale_delay: float = 30.0
+    downscale_delay: float = 600.0
     device_resource: str = "edge_device"  # the custom resource each device node offers once
     ingress_max_ongoing: int = 1024      # requests one ingress replica holds at a time
     health_check_period: float = 10.0    # seconds between replica health checks
@@ -61,6 +66,9 @@ class ClusterSettings:
         if self.min_replicas < 1 or self.max_replicas < self.min_replicas:
             raise ValueError(f"replicas: need 1 <= min ({self.min_replicas}) <= max "
                              f"({self.max_replicas})")
+        if self.upscale_delay < 0 or self.downscale_delay < 0:
+            raise ValueError(f"scaling delays must be >= 0 seconds (up {self.upscale_delay:g}, "
+                             f"down {self.downscale_delay:g})")
 
 
 def build_cluster_app(settings: ServerSettings, cluster: ClusterSettings):
@@ -74,7 +82,8 @@ def build_cluster_app(settings: ServerSettings, cluster: ClusterSettings):
     else:
         scaling = {"autoscaling_config": {
             "min_replicas": cluster.min_replicas, "max_replicas": cluster.max_replicas,
-            "target_ongoing_requests": 1}}
+            "target_ongoing_requests": 1, "upscale_delay_s": cluster.upscale_delay,
+            "downscale_delay_s": cluster.downscale_delay}}
     replica = serve.deployment(
         GeneratorReplica, name="GeneratorReplica", max_ongoing_requests=1,
         max_queued_requests=settings.max_queue, ray_actor_options=device,
