@@ -228,8 +228,7 @@ class Server:
         try:
             return await self.engine.submit(ids, config)
         except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
+            raise _as_api_error(e) from None
 
     def events(self, job: Job, receive) -> AsyncIterator[tuple[str, object]]:
         s = self.settings
@@ -354,6 +353,9 @@ class Server:
 def _as_api_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
+    if isinstance(error, QueueFull):
+        return APIError(429, str(error), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": "1"})
     if isinstance(error, ValueError):
         return bad_request(str(error))
     return APIError(500, f"generation failed: {error}", type="server_error")

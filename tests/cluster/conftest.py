@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,7 @@ NODE_START_TIMEOUT = 90.0
 DEPLOY_TIMEOUT = 180.0
 MODEL = "slow"
 MAX_QUEUE = 2
+KEEPALIVE = 1.0
 
 
 @pytest.fixture(scope="session")
@@ -76,13 +78,20 @@ class Cluster:
         self.address, self.nodes, self.env = address, nodes, env
         self.metrics_ports = metrics_ports  # each node's Prometheus export of Ray's metrics
 
-    def node_ids(self) -> list[str]:
-        """The alive nodes' ids, from a short-lived driver process."""
-        code = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
-                "print(' '.join(n['NodeID'] for n in ray.nodes() if n['Alive']))")
+    def driver(self, code: str, timeout: float = 60, check: bool = True) -> str:
+        """What `code` prints, run in a short-lived driver process connected to the
+        cluster (`ray` is imported); with `check`, the process must succeed."""
+        code = f"import ray; ray.init(address={self.address!r}, logging_level='ERROR')\n{code}"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=self.env, timeout=60)
-        return out.stdout.split()
+                             env=self.env, timeout=timeout)
+        assert out.returncode == 0 or not check, out.stderr
+        return out.stdout
+
+    def node_ids(self, check: bool = True) -> list[str]:
+        """The alive nodes' ids (none while the head cannot take a driver yet, unless
+        `check`)."""
+        return self.driver("print(' '.join(n['NodeID'] for n in ray.nodes() if n['Alive']))",
+                           check=check).split()
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +120,7 @@ def ray_cluster(tmp_path_factory) -> Iterator[Cluster]:
                           tmp / "worker.log", env))
         cluster = Cluster(address, nodes, env, metrics_ports)
         deadline = time.monotonic() + NODE_START_TIMEOUT
-        while len(cluster.node_ids()) < 2:
+        while len(cluster.node_ids(check=False)) < 2:
             for node in nodes:
                 assert node.proc.poll() is None, node.log.read_text(errors="replace")
             assert time.monotonic() < deadline, "the worker node did not join the cluster"
@@ -151,20 +160,21 @@ class Deployed:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="session")
-def cluster_app(ray_cluster, slow_bundle, tmp_path_factory) -> Iterator[Deployed]:
-    """Two replicas (one per node), room for two waiting requests, HTTP on the head only."""
-    tmp = tmp_path_factory.mktemp("cluster-app")
+@contextmanager
+def deployed(ray_cluster: Cluster, bundle: Path, tmp: Path, *flags: str) -> Iterator[Deployed]:
+    """`specedge serve --ray` with `flags` (HTTP on the head only), up until the block ends;
+    then SIGTERM, which takes the app off the cluster, and Serve with it, so the next
+    deployment starts Serve anew on its own port."""
     port = free_port()
     log = tmp / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specedge.cli", "serve", "--bundle", str(slow_bundle),
-             "--ray", ray_cluster.address, "--replicas", "2", "--max-queue", str(MAX_QUEUE),
-             "--threads", "1", "--model-name", MODEL, "--port", str(port),
-             "--proxy-location", "HeadOnly", "--log-level", "warning"],
+            [sys.executable, "-m", "specedge.cli", "serve", "--bundle", str(bundle),
+             "--ray", ray_cluster.address, "--threads", "1", "--model-name", MODEL,
+             "--port", str(port), "--proxy-location", "HeadOnly", "--log-level", "warning",
+             *flags],
             stdout=out, stderr=subprocess.STDOUT, env=ray_cluster.env)
-    app = Deployed(proc, f"http://127.0.0.1:{port}", log, slow_bundle)
+    app = Deployed(proc, f"http://127.0.0.1:{port}", log, bundle)
     try:
         deadline = time.monotonic() + DEPLOY_TIMEOUT
         while True:
@@ -179,9 +189,19 @@ def cluster_app(ray_cluster, slow_bundle, tmp_path_factory) -> Iterator[Deployed
         yield app
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # takes the app off the cluster
+            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster_app(ray_cluster, slow_bundle, tmp_path_factory) -> Iterator[Deployed]:
+    """Two replicas (one per node), room for MAX_QUEUE waiting requests, a keep-alive
+    comment after KEEPALIVE silent seconds."""
+    with deployed(ray_cluster, slow_bundle, tmp_path_factory.mktemp("cluster-app"),
+                  "--replicas", "2", "--max-queue", str(MAX_QUEUE),
+                  "--keepalive", str(KEEPALIVE)) as app:
+        yield app

@@ -139,6 +139,30 @@ def test_a_dropped_stream_frees_its_replica_within_a_step(cluster_app, gen):
     assert both < full / 2, (both, full, first_pieces)
 
 
+def test_a_stream_waiting_for_a_replica_gets_keep_alives_then_its_answer(cluster_app, gen):
+    """Both replicas busy for seconds: a streamed request waits in the queue, and its answer
+    starts anyway, with keep-alive comments until a replica takes it (as `specedge serve`
+    answers a queued stream), then the same text as the Generator."""
+    want = gen.generate(messages=CHATS[1], max_new_tokens=20).text
+    with ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(post_chat, cluster_app.url, chat_body(f"busy {i}", 600))
+                for i in range(2)]
+        time.sleep(0.5)  # both are on their replicas
+        started = time.monotonic()
+        with httpx.stream("POST", cluster_app.url + "/v1/chat/completions", timeout=60,
+                          json=chat_body(CHATS[1][0]["content"], 20, stream=True)) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+        waited = time.monotonic() - started
+        assert [b.result().status_code for b in busy] == [200, 200]
+    texts = [json.loads(line[6:])["choices"][0]["delta"].get("content")
+             if line.startswith("data: {") else None for line in lines]
+    first_text = next(i for i, text in enumerate(texts) if text)
+    assert lines[:first_text].count(": keep-alive") >= 1, (lines[:first_text], waited)
+    assert lines[-1] == "data: [DONE]"
+    assert "".join(text or "" for text in texts) == want
+
+
 def test_more_requests_than_replicas_and_queue_get_429(cluster_app):
     """Two replicas and two queue slots: of eight requests sent at once, each replica serves
     one in full, and those beyond the queue get 429 with Retry-After in OpenAI's error
@@ -149,7 +173,7 @@ def test_more_requests_than_replicas_and_queue_get_429(cluster_app):
         answers = list(pool.map(lambda i: post_chat(cluster_app.url, chat_body(
             f"request {i}", tokens), timeout=90), range(n)))
     codes = [a.status_code for a in answers]
-    assert len(answers) == n and set(codes) <= {200, 429}, codes
+    assert len(answers) == n and set(codes) <= {200, 429}, [a.text[:100] for a in answers]
     assert codes.count(200) >= 2 and codes.count(429) >= 1, codes
     for a in answers:
         if a.status_code == 200:

@@ -42,15 +42,19 @@ class BundleText:
 
 class RayEngine:
     """app.LocalEngine's interface, generations sent to GeneratorReplica through a streaming
-    handle. A request's HTTP answer starts once a replica has taken it, so that a request
-    refused by the full queue gets a plain 429 (a stream sends no event until then)."""
+    handle. `submit` returns once a replica has taken the request, or once the request has
+    waited the keep-alive interval in the handle's queue: a full queue refuses a request at
+    once (429 before any HTTP answer starts), and a request still waiting after that was
+    queued, so its answer starts and a stream sends keep-alive comments while it waits, as
+    `specedge serve` does for a queued request (its answer then has no x-specedge-replica
+    headers: no replica had it when they were sent)."""
 
     def __init__(self, replica, settings: ServerSettings):
         self.replica = replica.options(stream=True)
         self.settings = settings
         self.waiting = 0
         self.running = 0
-        self.jobs: dict[int, Job] = {}  # by id(job): the running ones
+        self.jobs: dict[int, Job] = {}  # by id(job): submitted and not yet over
 
     def start(self, loaded: Callable[[BundleText], None],
               failed: Callable[[str], None]) -> None:
@@ -70,15 +74,26 @@ class RayEngine:
     async def submit(self, ids: list[int], config: GenerationConfig) -> Job:
         job = Job({}, asyncio.get_running_loop())
         stream = self.replica.generate.remote(ids, config)
+        taken = asyncio.ensure_future(self._taken(job, stream))
+        try:
+            wait = min(self.settings.keepalive, self.settings.request_timeout)
+            await asyncio.wait_for(asyncio.shield(taken), wait)
+        except asyncio.TimeoutError:
+            pass  # queued: the job's events say when a replica takes it
+        except BaseException:
+            if not taken.done():  # the client went away while it waited
+                taken.cancel()
+                stream.cancel()
+            raise  # or the request was refused: the handle has dropped it
+        job.pump = asyncio.ensure_future(self._pump(job, stream, taken))
+        self.jobs[id(job)] = job
+        return job
+
+    async def _taken(self, job: Job, stream) -> None:
+        """Wait for the replica's first item, which says who took the request."""
         self.waiting += 1
         try:
-            first = await asyncio.wait_for(stream.__anext__(), self.settings.request_timeout)
-        except asyncio.TimeoutError:
-            stream.cancel()
-            raise APIError(504, "the request waited longer than the server's request timeout "
-                           f"({self.settings.request_timeout:g} s) for a replica and was "
-                           "dropped; retry later, or add replicas", type="timeout_error",
-                           code="request_timeout") from None
+            first = await stream.__anext__()
         except BackPressureError:
             raise QueueFull(f"every replica is busy and {self.settings.max_queue} requests "
                             "are already waiting; retry shortly") from None
@@ -87,36 +102,36 @@ class RayEngine:
                            code="replicas_unavailable", headers={"Retry-After": "5"}) from e
         except (RayActorError, ActorUnavailableError) as e:
             raise _replica_lost(e) from e
-        except BaseException:
-            stream.cancel()
-            raise
         finally:
             self.waiting -= 1
         who = first["started"]
-        job.headers = {"x-specedge-replica": who["replica"], "x-specedge-node": who["node"],
-                       "x-specedge-replica-pid": str(who["pid"])}
+        job.headers.update({"x-specedge-replica": who["replica"],
+                            "x-specedge-node": who["node"],
+                            "x-specedge-replica-pid": str(who["pid"])})
         job.started = time.monotonic()
-        job.pump = asyncio.ensure_future(self._pump(job, stream))
-        self.jobs[id(job)] = job
-        return job
 
-    async def _pump(self, job: Job, stream) -> None:
+    async def _pump(self, job: Job, stream, taken: asyncio.Future) -> None:
         """The replica's items into the job's events, as the local worker posts them."""
-        self.running += 1
         try:
-            async for item in stream:
-                if "piece" in item:
-                    job.events.put_nowait(("piece", item["piece"]))
-                    continue
-                job.finished = True
-                if "done" in item:
-                    result: GenerationResult = item["done"]
-                    job.events.put_nowait(("done", result))
-                else:
-                    job.events.put_nowait(("error", ValueError(item["error"])))
-                return
+            await taken
+            self.running += 1
+            try:
+                async for item in stream:
+                    if "piece" in item:
+                        job.events.put_nowait(("piece", item["piece"]))
+                        continue
+                    job.finished = True
+                    if "done" in item:
+                        result: GenerationResult = item["done"]
+                        job.events.put_nowait(("done", result))
+                    else:
+                        job.events.put_nowait(("error", ValueError(item["error"])))
+                    return
+            finally:
+                self.running -= 1
             raise RuntimeError("the replica's stream ended without a result")
         except asyncio.CancelledError:
+            taken.cancel()
             stream.cancel()
             raise
         except Exception as e:
@@ -125,7 +140,6 @@ class RayEngine:
                 lost = isinstance(e, (RayActorError, ActorUnavailableError))
                 job.events.put_nowait(("error", _replica_lost(e) if lost else e))
         finally:
-            self.running -= 1
             self.jobs.pop(id(job), None)
 
     def withdraw(self, job: Job, why: str) -> None:
