@@ -11,6 +11,11 @@ requests, figures and statistics):
 - `ray x1`, `ray x2`: `specedge serve --bundle B --ray ADDR --replicas 1|2 --threads N`,
   through Ray Serve's HTTP proxy on the head node.
 
+Memory: the resident memory (RSS) of each node's processes (each `ray start`'s process
+group: raylet, GCS, agents, and the Serve actors Ray starts there), by process, when the
+cluster is idle and with each configuration deployed (then also the `specedge serve --ray`
+process, Ray's driver, which stays up while the app runs), beside the single server's.
+
 The single server stays up the whole run; each Ray configuration is deployed in turn, and in
 each round the single server and the deployed configuration take turns, so the ratio
 `ray xK / single` is taken round by round (median and 95% CI, specedge.bench.intervals).
@@ -36,6 +41,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -61,6 +67,7 @@ from specedge.runtime.files import atomic_write  # noqa: E402
 SINGLE = "single"
 QUICK = {"rounds": 1, "concurrency": [1, 4], "prompts": 4}
 NODE_TIMEOUT = 90.0
+IDLE_SETTLE = 10.0  # seconds for a new cluster's processes to finish starting
 
 
 class LocalCluster:
@@ -103,6 +110,24 @@ class LocalCluster:
                               env=self.env, timeout=60)
         return int(done.stdout.strip() or 0)
 
+    def memory(self) -> dict[str, dict[str, float]]:
+        """MiB of resident memory by process, for each node ("head", "worker"): the
+        processes of its `ray start`'s process group, named by their command line (Ray names
+        its actors' processes `ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`, ...).
+        RSS counts shared libraries in every process, so a node's sum is an upper bound."""
+        groups = {proc.pid: name for proc, name in zip(self.procs, ("head", "worker"))}
+        nodes: dict[str, dict[str, float]] = {name: {} for name in groups.values()}
+        for proc in psutil.process_iter(["cmdline", "memory_info"]):
+            try:
+                group = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                continue
+            if group in groups and proc.info["memory_info"] is not None:
+                name = process_name(proc.info["cmdline"] or [])
+                node = nodes[groups[group]]
+                node[name] = node.get(name, 0.0) + proc.info["memory_info"].rss / 2**20
+        return nodes
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             if proc.poll() is None:
@@ -116,6 +141,29 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+def process_name(cmdline: list[str]) -> str:
+    """A short name for a process of a Ray node: its program, or the actor Ray runs in it."""
+    if not cmdline:
+        return "?"
+    first = cmdline[0]
+    if first.startswith("ray::"):  # an actor or worker: Ray sets its title
+        return first.split()[0]
+    program, args = Path(first).name, cmdline[1:]
+    if program.startswith("python") and args:
+        if "-m" in args[:-1]:
+            return f"python -m {args[args.index('-m') + 1]}"
+        script = next((a for a in args if not a.startswith("-")), None)
+        if script:  # a script: Ray's log monitor, agents, the `ray` command itself
+            return f"python {Path(script).name}"
+    return program
+
+
+def process_rss(pid: int) -> float:
+    """MiB of resident memory of a process and its children."""
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
 
 
 def start_on_ray(cluster: LocalCluster, bundle: Path, replicas: int, threads: int,
@@ -132,6 +180,8 @@ def measure(bundle: Path, threads: int, rounds: int, concurrency: list[int],
             prompts: list[dict], max_tokens: int, logs: Path) -> dict:
     runs: dict[tuple[str, int], list[Run]] = {}
     cluster = LocalCluster(logs / "ray")
+    time.sleep(IDLE_SETTLE)
+    memory = {"idle": cluster.memory()}
     single = start_specedge(bundle, threads, logs)
     try:
         for replicas in (1, 2):
@@ -149,6 +199,9 @@ def measure(bundle: Path, threads: int, rounds: int, concurrency: list[int],
                             if warm.error:
                                 raise RuntimeError(f"{url}: first request failed: "
                                                    f"{warm.error}")
+                memory[name] = {**cluster.memory(),
+                                "driver": {"specedge serve --ray": process_rss(app.proc.pid)}}
+                memory[SINGLE] = {"single": {"specedge serve": process_rss(single.proc.pid)}}
                 plan = [(system, c) for c in concurrency for system in urls]
                 for r in range(rounds):
                     turn = r % len(plan)
@@ -186,7 +239,7 @@ def measure(bundle: Path, threads: int, rounds: int, concurrency: list[int],
                         else None
                     ratios.append({"ratio": f"{name} / {SINGLE} {label}", "concurrency": c,
                                    **ratio_ci(per_round), "goal": goal})
-    return {"systems": systems, "ratios": ratios}
+    return {"systems": systems, "ratios": ratios, "memory_mib": memory}
 
 
 def _ms(v: float | None) -> str:
@@ -211,6 +264,13 @@ def table(results: dict) -> str:
         ci = "—" if r["ci95"] is None else f"{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}"
         lines.append(f"| {r['ratio']} | {r['concurrency']} | {r['median']:.3f} | {ci} | "
                      f"{r['goal'] or ''} |")
+    lines += ["", "| memory (RSS, MiB) | node | total | largest processes |",
+              "|---|---|---|---|"]
+    for phase, nodes in results["memory_mib"].items():
+        for node, processes in nodes.items():
+            top = sorted(processes.items(), key=lambda kv: -kv[1])[:4]
+            lines.append(f"| {phase} | {node} | {sum(processes.values()):.0f} | "
+                         + ", ".join(f"{name} {mib:.0f}" for name, mib in top) + " |")
     return "\n".join(lines)
 
 
