@@ -11,10 +11,11 @@ requests, figures and statistics):
 - `ray x1`, `ray x2`: `specedge serve --bundle B --ray ADDR --replicas 1|2 --threads N`,
   through Ray Serve's HTTP proxy on the head node.
 
-Memory: the resident memory (RSS) of each node's processes (each `ray start`'s process
-group: raylet, GCS, agents, and the Serve actors Ray starts there), by process, when the
-cluster is idle and with each configuration deployed (then also the `specedge serve --ray`
-process, Ray's driver, which stays up while the app runs), beside the single server's.
+Memory: the resident memory (RSS) of each node's processes (its `ray start` and the
+processes under it: raylet, GCS, agents, and the Serve actors Ray starts there), by
+process, when the cluster is idle and with each configuration deployed (then also the
+`specedge serve --ray` process, Ray's driver, which stays up while the app runs), beside the
+single server's.
 
 The single server stays up the whole run; each Ray configuration is deployed in turn, and in
 each round the single server and the deployed configuration take turns, so the ratio
@@ -111,21 +112,21 @@ class LocalCluster:
         return int(done.stdout.strip() or 0)
 
     def memory(self) -> dict[str, dict[str, float]]:
-        """MiB of resident memory by process, for each node ("head", "worker"): the
-        processes of its `ray start`'s process group, named by their command line (Ray names
-        its actors' processes `ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`, ...).
-        RSS counts shared libraries in every process, so a node's sum is an upper bound."""
-        groups = {proc.pid: name for proc, name in zip(self.procs, ("head", "worker"))}
-        nodes: dict[str, dict[str, float]] = {name: {} for name in groups.values()}
-        for proc in psutil.process_iter(["cmdline", "memory_info"]):
-            try:
-                group = os.getpgid(proc.pid)
-            except ProcessLookupError:
-                continue
-            if group in groups and proc.info["memory_info"] is not None:
-                name = process_name(proc.info["cmdline"] or [])
-                node = nodes[groups[group]]
-                node[name] = node.get(name, 0.0) + proc.info["memory_info"].rss / 2**20
+        """MiB of resident memory by process, for each node ("head", "worker"): its `ray
+        start` and every process started under it (GCS, raylet, agents, and the workers of
+        the actors Ray places there), named by their command line (Ray names an actor's
+        process `ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`, ...). RSS counts
+        shared libraries in every process, so a node's sum is an upper bound."""
+        nodes: dict[str, dict[str, float]] = {}
+        for proc, node in zip(self.procs, ("head", "worker")):
+            sizes = nodes.setdefault(node, {})
+            root = psutil.Process(proc.pid)
+            for member in [root, *root.children(recursive=True)]:
+                try:
+                    name, rss = process_name(member.cmdline()), member.memory_info().rss
+                except psutil.NoSuchProcess:
+                    continue
+                sizes[name] = sizes.get(name, 0.0) + rss / 2**20
         return nodes
 
     def stop(self) -> None:
