@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -77,7 +78,9 @@ class LocalCluster:
 
     def __init__(self, logs: Path):
         logs.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        # Token authentication with a token of its own (docs/cluster.md, "InvalidAuthToken").
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         common = ["--num-cpus", "1", "--resources", '{"edge_device": 1}',
@@ -174,7 +177,8 @@ def start_on_ray(cluster: LocalCluster, bundle: Path, replicas: int, threads: in
         sys.executable, "-m", "specedge.cli", "serve", "--bundle", str(bundle), "--ray",
         cluster.address, "--replicas", str(replicas), "--threads", str(threads),
         "--max-queue", "256", "--port", str(port), "--proxy-location", "HeadOnly",
-        "--log-level", "warning"], port, "/health", logs / f"ray-x{replicas}.log")
+        "--log-level", "warning"], port, "/health", logs / f"ray-x{replicas}.log",
+        env=cluster.env)
 
 
 def measure(bundle: Path, threads: int, rounds: int, concurrency: list[int],

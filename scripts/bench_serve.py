@@ -246,12 +246,14 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess on a loopback port, its output in `log`; stopped on exit."""
 
-    def __init__(self, name: str, command: list[str], port: int, ready_path: str, log: Path):
+    def __init__(self, name: str, command: list[str], port: int, ready_path: str, log: Path,
+                 env: dict[str, str] | None = None):
         self.name, self.port, self.log = name, port, log
         self.url = f"http://127.0.0.1:{port}"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.proc.poll() is not None:

@@ -10,6 +10,7 @@ dropped, queued or have its replica killed while it runs.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -98,7 +99,11 @@ class Cluster:
 def ray_cluster(tmp_path_factory) -> Iterator[Cluster]:
     """Head and worker nodes on 127.0.0.1, each with --num-cpus 1 and {"edge_device": 1}."""
     tmp = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    # Token authentication with a token of the test's own: a `ray.init()` run on this machine
+    # before leaves ~/.ray/auth_token, and nodes started beside it refuse each other
+    # (docs/cluster.md, "InvalidAuthToken").
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     port = free_port()
     address = f"127.0.0.1:{port}"
     common = ["--num-cpus", "1", "--resources", '{"edge_device": 1}',
