@@ -66,7 +66,7 @@ class Node:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 pass
-        try:  # raylet, gcs_server and the workers they started share the session's group
+        try:  # raylet and gcs_server share its group; workers end with their raylet
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass

@@ -1,9 +1,9 @@
 """Autoscaling on the two-node cluster (conftest.py): `--min-replicas 1 --max-replicas 2`
 starts one replica, adds the second (on the other node's device) while requests outnumber
 the replicas, serves every request meanwhile, and goes back to one when the load ends.
-Ray Serve's autoscaler sees the load through metrics that handles push every 10 s by default
-(every AUTOSCALING_PUSH seconds on the test cluster), averaged over 30 s; the delays are set
-short so that the test waits for that alone."""
+Ray Serve's autoscaler sees the load through metrics that handles push every 10 s, averaged
+over 30 s; the delays are set short so that the test waits for that alone (some 20 s each
+way)."""
 
 from __future__ import annotations
 
