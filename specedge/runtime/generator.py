@@ -152,7 +152,7 @@ class Generator:
                              f"({config.max_new_tokens}) exceeds the bundle's context of "
                              f"{limit} tokens; shorten the prompt or lower "
                              "max_new_tokens")
-        state = self._decoding(ids, config, proposer)
+        state = self._decoding(ids, config, proposer, limit)
         tokens: list[int] = []
         reason = "max_new_tokens"
         text = ""
@@ -206,10 +206,11 @@ class Generator:
         stats["sampling_on"] = state.choice.where
         return GenerationResult(text, tokens, stats, reason)
 
-    def _decoding(self, prompt: list[int], config: GenerationConfig, drafter) -> Decoding:
-        """The state of one generation, with the target's cache ready for the prompt."""
-        limit = capacity_for(len(prompt) + config.max_new_tokens,
-                             context_limit(self.bundle, config))
+    def _decoding(self, prompt: list[int], config: GenerationConfig, drafter,
+                  context: int) -> Decoding:
+        """The state of one generation (`context`: its context_limit), with the target's
+        cache ready for the prompt."""
+        limit = capacity_for(len(prompt) + config.max_new_tokens, context)
         # A portable graph attends over the whole capacity: its host cache starts with room
         # for the prompt and grows between steps (kv_cache.py); other caches are sized once.
         capacity = capacity_for(len(prompt), limit) if self.target.grows_cache else limit

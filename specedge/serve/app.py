@@ -20,10 +20,11 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -32,8 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from specedge.runtime.bundle import Bundle
 from specedge.runtime.config import DEFAULT_DRAFTER, GenerationConfig, check_token_ids
 from specedge.runtime.generator import GenerationResult, Generator
+from specedge.runtime.text import TextCodec
 from specedge.serve.metrics import ServerMetrics
 from specedge.serve.protocol import (
     APIError,
@@ -84,6 +87,21 @@ class ServerSettings:
         return self.model_name or Path(self.bundle).resolve().name
 
 
+class PromptText(Protocol):
+    """What the app encodes prompts, checks context lengths and decodes tokens with: the
+    engine's Generator in `specedge serve`, the bundle's text side alone (cluster's
+    BundleText) in the ingress of the cluster mode."""
+
+    bundle: Bundle
+    codec: TextCodec
+
+    def encode_prompt(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None,
+                      messages: Sequence[dict[str, str]] | None = None,
+                      raw: bool = False) -> list[int]: ...
+
+    def context_limit(self, config: GenerationConfig) -> int: ...
+
+
 class Server:
     """The app's state: the engine that runs generations (LocalEngine, or Ray replicas in
     the cluster mode), the metrics, and where the server is in its life: "loading",
@@ -100,7 +118,7 @@ class Server:
                                      threads=settings.threads)),
                                  self.metrics.queue_changed)
         self.engine = engine
-        self.text: Generator | None = None  # prompts are encoded and checked with it
+        self.text: PromptText | None = None  # set once the engine has loaded the bundle
         self.phase = "loading"
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] = lambda message: None
@@ -110,7 +128,7 @@ class Server:
     def start(self) -> None:
         self.engine.start(self._loaded, self._failed)
 
-    def _loaded(self, text) -> None:
+    def _loaded(self, text: PromptText) -> None:
         self.text = text
         if self.phase == "loading":
             self.phase = "ready"
@@ -142,7 +160,7 @@ class Server:
                            "'Authorization: Bearer KEY' with the server's key",
                            type="authentication_error", code="invalid_api_key")
 
-    def check_ready(self) -> Generator:
+    def check_ready(self) -> PromptText:
         if self.phase == "ready" and self.text is not None:
             return self.text
         message = {"loading": "the model is still loading; retry in a few seconds",
@@ -180,7 +198,7 @@ class Server:
                       ) -> tuple[ChatRequest | CompletionRequest, list[int], GenerationConfig]:
         """Every check that can fail before the request takes a queue slot."""
         self.check_key(request)
-        generator = self.check_ready()
+        text = self.check_ready()
         req = parse(ChatRequest if chat else CompletionRequest, await self.read_json(request))
         if unknown := req.unknown_fields():
             log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
@@ -190,7 +208,7 @@ class Server:
             raise bad_request(f"{len(req.messages)} messages is over the server's limit of "
                               f"{self.settings.max_messages} (--max-messages)",
                               param="messages")
-        ids = await asyncio.to_thread(self._encode, generator, req)
+        ids = await asyncio.to_thread(self._encode, text, req)
         asked = req.requested_tokens()
         if asked is not None and asked > self.settings.max_tokens:
             raise bad_request(f"max_tokens {asked} is over the server's limit of "
@@ -199,7 +217,7 @@ class Server:
         config = req.generation_config(asked or 1, self.settings.draft_tokens,
                                        self.settings.drafter)
         try:
-            context = generator.context_limit(config)
+            context = text.context_limit(config)
         except ValueError as e:
             raise bad_request(str(e), param="speculative") from e
         room = context - len(ids)
@@ -213,13 +231,13 @@ class Server:
         return req, ids, GenerationConfig.of(config, max_new_tokens=new_tokens)
 
     @staticmethod
-    def _encode(generator: Generator, req: ChatRequest | CompletionRequest) -> list[int]:
+    def _encode(text: PromptText, req: ChatRequest | CompletionRequest) -> list[int]:
         try:
             if isinstance(req, ChatRequest):
-                return generator.encode_prompt(messages=req.chat_messages())
+                return text.encode_prompt(messages=req.chat_messages())
             if isinstance(req.prompt, list):
-                return generator.encode_prompt(prompt_ids=req.prompt)
-            return generator.encode_prompt(req.prompt, raw=True)
+                return text.encode_prompt(prompt_ids=req.prompt)
+            return text.encode_prompt(req.prompt, raw=True)
         except ValueError as e:
             raise bad_request(str(e), param="messages" if isinstance(req, ChatRequest)
                               else "prompt") from e
@@ -306,7 +324,7 @@ class Server:
 
     async def tokenize(self, request: Request) -> dict:
         self.check_key(request)
-        generator = self.check_ready()
+        text = self.check_ready()
         req = parse(TokenizeRequest, await self.read_json(request))
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -314,31 +332,31 @@ class Server:
         try:
             if req.messages is not None:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                ids = await asyncio.to_thread(generator.encode_prompt, messages=messages)
+                ids = await asyncio.to_thread(text.encode_prompt, messages=messages)
             else:
-                ids = await asyncio.to_thread(generator.encode_prompt, req.prompt, raw=True)
+                ids = await asyncio.to_thread(text.encode_prompt, req.prompt, raw=True)
         except ValueError as e:
             raise bad_request(str(e)) from e
-        return {"count": len(ids), "max_model_len": generator.bundle.target.max_context,
+        return {"count": len(ids), "max_model_len": text.bundle.target.max_context,
                 "tokens": ids}
 
     async def detokenize(self, request: Request) -> dict:
         self.check_key(request)
-        generator = self.check_ready()
+        text = self.check_ready()
         req = parse(DetokenizeRequest, await self.read_json(request))
         self.check_model(req.model)
         try:
-            ids = check_token_ids(req.tokens, generator.bundle.target.vocab_size)
+            ids = check_token_ids(req.tokens, text.bundle.target.vocab_size)
         except ValueError as e:
             raise bad_request(str(e).replace("prompt_ids", "tokens"), param="tokens") from e
-        return {"prompt": generator.codec.decode(ids)}
+        return {"prompt": text.codec.decode(ids)}
 
     def models(self, request: Request) -> dict:
         self.check_key(request)
-        generator = self.check_ready()
+        text = self.check_ready()
         return {"object": "list", "data": [{
             "id": self.settings.name, "object": "model", "created": 0, "owned_by": "specedge",
-            "max_model_len": generator.bundle.target.max_context}]}
+            "max_model_len": text.bundle.target.max_context}]}
 
     def health(self) -> Response:
         if self.phase != "ready":

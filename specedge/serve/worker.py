@@ -141,6 +141,22 @@ class Worker:
             job.post(*outcome)
 
 
+def load_in_background(load: Callable[[], Any], loaded: Callable[[Any], None],
+                       failed: Callable[[str], None]) -> None:
+    """Run `load` on a thread of its own, then `loaded(what it returned)`, or
+    `failed(message)` when it raised: an engine's start, so that /health answers while the
+    bundle opens."""
+    def run() -> None:
+        try:
+            value = load()
+        except Exception as e:  # any failure to open the bundle ends the server
+            failed(str(e) or type(e).__name__)
+            return
+        loaded(value)
+
+    threading.Thread(target=run, name="specedge-load", daemon=True).start()
+
+
 class LocalEngine:
     """What runs generations in `specedge serve`: one Generator in this process, behind the
     Worker's thread and bounded queue. The cluster mode puts Ray replicas behind the same
@@ -159,18 +175,14 @@ class LocalEngine:
         The generator is what the app encodes prompts and checks contexts with."""
         self.worker.start()
 
-        def load() -> None:
-            try:
-                generator = self.load()
-                # One short generation, so the first request does not pay for the first call.
-                generator.generate(prompt_ids=[0], max_new_tokens=2, use_draft=False)
-            except Exception as e:  # any failure to open the bundle ends the server
-                failed(str(e) or type(e).__name__)
-                return
+        def load() -> Generator:
+            generator = self.load()
+            # One short generation, so the first request does not pay for the first call.
+            generator.generate(prompt_ids=[0], max_new_tokens=2, use_draft=False)
             self.worker.generator = generator
-            loaded(generator)
+            return generator
 
-        threading.Thread(target=load, name="specedge-load", daemon=True).start()
+        load_in_background(load, loaded, failed)
 
     def stop(self) -> None:
         self.worker.withdraw_all("shutdown")

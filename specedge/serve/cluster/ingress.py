@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from specedge.runtime.generator import GenerationResult, context_limit
 from specedge.runtime.text import TextCodec
 from specedge.serve.app import Server, ServerSettings, build_app
 from specedge.serve.protocol import APIError
-from specedge.serve.worker import Job, QueueFull
+from specedge.serve.worker import Job, QueueFull, load_in_background
 
 log = logging.getLogger("specedge.serve")
 
@@ -58,15 +57,7 @@ class RayEngine:
 
     def start(self, loaded: Callable[[BundleText], None],
               failed: Callable[[str], None]) -> None:
-        def load() -> None:
-            try:
-                text = BundleText(self.settings.bundle)
-            except Exception as e:
-                failed(str(e) or type(e).__name__)
-                return
-            loaded(text)
-
-        threading.Thread(target=load, name="specedge-load", daemon=True).start()
+        load_in_background(lambda: BundleText(self.settings.bundle), loaded, failed)
 
     def stop(self) -> None:
         self.withdraw_all("shutdown")
