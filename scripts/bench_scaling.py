@@ -21,7 +21,7 @@ below) with random weights, exported to an int4 bundle, and measured:
 5. where llama-cpp-python is installed, llama.cpp's plain decoding of the same random
    weights written as a Q4_1 GGUF (specedge.bench.gguf_file), with the same threads and the
    same 64-token prompt. Q4_1, not Q4_0: our int4 stores each block of 32 weights as
-   w = d * q + m, which is Q4_1's grid (specedge/export/quantize.py), so Q4_1 is the same
+   w = d * q + m, which is Q4_1's grid (export/quantize.py), so Q4_1 is the same
    weight format; Q4_0 has no offset (4.5 bits a weight against 5) and would compare a
    coarser model.
 

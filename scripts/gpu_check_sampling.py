@@ -1,8 +1,8 @@
 """GPU parity check of the on-device sampling kernels
-(specedge/runtime/backends/kernels/sampling.cu).
+(runtime/backends/kernels/sampling.cu).
 
 scripts/gpu_check.py calls ``run(memory)`` with a CUDA device-memory object
-(specedge/runtime/backends/memory.py) and stores the JSON-able dict it returns. The host
+(runtime/backends/memory.py) and stores the JSON-able dict it returns. The host
 reference is the specification, and every check compares the kernels with it:
 
 - greedy: ``DeviceSampler.verify_greedy`` == ``speculative.verify_greedy``, exactly, on random

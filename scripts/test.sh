@@ -13,7 +13,7 @@ python3 -m venv .venv
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,dev]"
 ruff check .
-lint-imports --no-logo  # the import rules in pyproject.toml (docs/architecture.md)
+bash scripts/lint_imports.sh --no-logo  # the import rules in pyproject.toml (docs/architecture.md)
 if [ $# -gt 0 ]; then
     python -m pytest "$@"
     exit

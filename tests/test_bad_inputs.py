@@ -208,7 +208,7 @@ def test_unknown_backend(tiny_bundle, backend):
 
 
 def test_negative_threads(tiny_bundle):
-    """`threads` is checked before a backend opens (specedge/runtime/config.py `check_threads`):
+    """`threads` is checked before a backend opens (runtime/config.py `check_threads`):
     -1 is refused, and so is a huge value (10**6), which would make ONNX Runtime try to start
     that many threads until the process is killed (not tested here for that reason)."""
     with pytest.raises(ValueError, match="threads"):
@@ -319,7 +319,7 @@ MALFORMED_MANIFEST = {
 
 @pytest.mark.parametrize("case", list(MALFORMED_MANIFEST))
 def test_manifest_with_wrong_types_is_a_bundle_error(tiny_bundle, tmp_path, case):
-    """specedge/runtime/bundle.py `load_bundle` checks the types inside a JSON manifest, so
+    """runtime/bundle.py `load_bundle` checks the types inside a JSON manifest, so
     wrong ones are a BundleError rather than tokenizer=null -> AttributeError, file=5 ->
     TypeError, eos_token_ids=["</s>"] -> "invalid literal for int()", or vocab_size="34" ->
     "the draft's vocabulary (34 tokens) differs from the target's (34)"."""
@@ -355,7 +355,7 @@ def test_manifest_that_disagrees_with_its_graph(tiny_bundle, tmp_path, field):
 def test_broken_chat_template(tiny_bundle, tmp_path, template):
     """A broken chat template is an error naming the template; jinja2's TemplateSyntaxError
     (from `from_string` in TextCodec.__init__) and TemplateError (from `render` in encode_chat)
-    do not escape specedge/runtime/text.py."""
+    do not escape runtime/text.py."""
     bundle = copy_bundle(tiny_bundle, tmp_path)
     (bundle / "chat_template.jinja").write_text(template)
     with pytest.raises((ValueError, SpecEdgeError), match="template"):

@@ -365,7 +365,7 @@ def test_generate_on_a_bundle_without_draft(capsys, exported):
 
 def test_export_nonexistent_model_is_one_line(tmp_path):
     """A model that does not exist is one line on stderr: no tqdm progress-bar lines with the
-    error glued onto one of them (specedge/export/bundle_writer.py)."""
+    error glued onto one of them (export/bundle_writer.py)."""
     out = tmp_path / "bundle"
     proc = run_cli("export", tmp_path / "no-such-model", "--out", out)
     assert_one_line_error(proc.returncode, proc.stderr, "no-such-model",

@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from specedge.runtime import Generator
 
@@ -37,6 +38,20 @@ def test_wheel_holds_the_package_data_and_the_license(wheel):
     metadata = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_every_package_folder_is_installed():
+    """The package folders sit at the top level (export/, runtime/, serve/, bench/, specedge/)
+    and pyproject.toml lists them one by one: a sub-package added without its line there would
+    be missing from the wheel and from editable installs."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    folders = set()
+    for name, folder in tool["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            folders.add(".".join((name, *parts)))
+    assert folders == listed
 
 
 def test_wheel_runs_generate_without_torch(wheel, tiny_bundle, tmp_path):

@@ -40,25 +40,23 @@ DEFAULT_CONFIGS = ["greedy/plain", "sampled/plain", "greedy/lookup+model K=1",
 
 def base_generator(rev: str, into: Path):
     """The Generator class of `rev`'s runtime, imported as the package `specedge_base`: its
-    specedge/runtime/ with `specedge.` imports renamed (or, in revisions that kept the
-    runtime in a top-level runtime/ with relative imports, that folder as it is)."""
+    runtime folder (top-level `runtime/`, or `specedge/runtime/` in revisions that kept it
+    there) with `specedge.` imports renamed."""
     root = Path(__file__).resolve().parents[2]
     package = into / "specedge_base"
     package.mkdir()
     (package / "__init__.py").touch()
-    archive = subprocess.run(["git", "archive", rev, "specedge/runtime"], cwd=root,
-                             capture_output=True)
-    if archive.returncode == 0:
-        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
-            tar.extractall(into, filter="data")
-        shutil.move(into / "specedge" / "runtime", package / "runtime")
-        for path in (package / "runtime").rglob("*.py"):
-            path.write_text(re.sub(r"\bspecedge\.", "specedge_base.", path.read_text()))
+    for folder in ("runtime", "specedge/runtime"):
+        archive = subprocess.run(["git", "archive", rev, folder], cwd=root, capture_output=True)
+        if archive.returncode == 0:
+            break
     else:
-        archive = subprocess.run(["git", "archive", rev, "runtime"], cwd=root, check=True,
-                                 capture_output=True)
-        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
-            tar.extractall(package, filter="data")
+        raise SystemExit(f"{rev} has neither runtime/ nor specedge/runtime/")
+    with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    shutil.move(into / folder, package / "runtime")
+    for path in (package / "runtime").rglob("*.py"):
+        path.write_text(re.sub(r"\bspecedge\.", "specedge_base.", path.read_text()))
     sys.path.insert(0, str(into))
     return importlib.import_module("specedge_base.runtime").Generator
 

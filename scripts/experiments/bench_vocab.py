@@ -2,7 +2,7 @@
 LM head call alone.
 
 With K draft tokens a step chooses tokens from K draft rows and K + 1 target rows on the
-host (specedge/runtime/token_choice.py HostChoice: `draw` per draft row, then `verify`).
+host (runtime/token_choice.py HostChoice: `draw` per draft row, then `verify`).
 That work grows with V like the head call does; this measures whether it stays small next
 to it.
 
@@ -18,7 +18,7 @@ with top_p 0.95 and with top_k 50.
 
 The reference is the LM head alone, as the bundles have it: a one-node ONNX Runtime session,
 float32 MatMul [T, H] x [H, V], and int4 MatMulNBits (blocks of 32, asymmetric,
-accuracy_level 4, as specedge/export/quantize.py makes it), for T = 1 and T = K + 1.
+accuracy_level 4, as export/quantize.py makes it), for T = 1 and T = K + 1.
 
 Within one run everything is interleaved: for each repetition and vocabulary, each head
 call in turn, then each host mode twice, the first time right after an int4 head call

@@ -3,10 +3,10 @@
 Acceptance of a greedy draft's first token is its top-1 agreement with the target, so this
 measures a draft without the runtime's timing noise: the target answers every prompt of
 specedge/prompts.jsonl greedily, with its features, as distillation's data is made
-(specedge/export/distill/data.py generate_shard), and each draft is scored on those answers
-as training scores it (specedge/export/distill/losses.py feature_loss: every answer position
+(export/distill/data.py generate_shard), and each draft is scored on those answers
+as training scores it (export/distill/losses.py feature_loss: every answer position
 predicted from the target's own features, the first draft step of
-specedge/runtime/drafting/feature.py FeatureDrafter), per prompt category.
+runtime/drafting/feature.py FeatureDrafter), per prompt category.
 
     python scripts/experiments/draft_agreement.py --drafts drafts/smollm2-135m-feature [OTHER ...]
         [--model smollm2-135m] [--limit N] [--max-new-tokens 64]

@@ -1,4 +1,4 @@
-"""specedge/bench/intervals.py: the confidence interval of a ratio measured over rounds."""
+"""bench/intervals.py: the confidence interval of a ratio measured over rounds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 text (specedge/export/graph/gemma.py) on tiny random-weight models
+"""Gemma 2 and Gemma 3 text (export/graph/gemma.py) on tiny random-weight models
 with every Gemma feature on and a sliding window (8) shorter than the prompts: the graphs
 match transformers, plain decoding of the bundle is transformers' greedy generate,
 speculative decoding equals plain, int8 exports and decodes, and fused attention is

@@ -1,11 +1,11 @@
 """A GGUF file of every exported family that transformers reads from GGUF exports: a tiny
-random model, written as GGUF by specedge/bench/gguf_file.py the way llama.cpp writes it,
+random model, written as GGUF by bench/gguf_file.py the way llama.cpp writes it,
 loads back in transformers with the same logits, and `specedge export FILE.gguf --verify`
 gives a bundle whose greedy decoding is transformers' (on the original model).
 
 The tiny models here keep the config classes' defaults for the values transformers' own GGUF
 reader does not read back (soft-capping, partial rotary, sliding patterns, ...), so that this
-file tests the writer and the architectures; specedge/export/gguf_config.py completes those
+file tests the writer and the architectures; export/gguf_config.py completes those
 values from the file's keys, and tests/export/test_gguf_fidelity.py tests each of them."""
 
 from __future__ import annotations

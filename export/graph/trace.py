@@ -32,7 +32,7 @@ from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, graph_io
 
 OPSET = 21
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
-# by an older exporter are not taken as up to date (specedge/export/bundle_writer.py).
+# by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
 GRAPH_REVISION = 5
 

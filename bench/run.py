@@ -27,7 +27,7 @@ from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.stats import model_perplexity
 
-# The other systems `--baselines` chooses from (specedge/bench/baselines.py).
+# The other systems `--baselines` chooses from (bench/baselines.py).
 BASELINES = ("transformers", "llama.cpp")
 
 
