@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from specedge.bench.intervals import ratio_ci
-from specedge.runtime.stats import perplexity
+from specedge.bench.perplexity import perplexity
 from specedge.runtime.text import TextCodec
 
 
@@ -63,7 +63,7 @@ def quality_text_ids(codec: TextCodec, prompts: list[dict]) -> list[int]:
 
 def _hf_models(bundle: Path):
     """The bundle's target and draft as transformers models (the export extra)."""
-    from specedge.export.distill.folder import is_distilled_draft, load_draft
+    from specedge.export.distill.draft_folder import is_distilled_draft, load_draft
     from specedge.export.drafts.feature import FeatureDraft
     from specedge.export.drafts.truncated import truncated_draft
     from specedge.export.sources import load_model

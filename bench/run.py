@@ -20,12 +20,18 @@ from specedge.bench.configs import (
     quick_configurations,
     run_ours,
 )
+from specedge.bench.perplexity import model_perplexity
+from specedge.cli_common import (
+    add_backend_flag,
+    add_bundle_flag,
+    add_max_new_tokens_flag,
+    add_threads_flag,
+    bad_input_exits_2,
+)
 from specedge.prompts import load_prompts, prompt_input, read_prompt_file
 from specedge.runtime import Generator
-from specedge.runtime.backends import BACKENDS
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.stats import model_perplexity
 
 # The other systems `--baselines` chooses from (bench/baselines.py).
 BASELINES = ("transformers", "llama.cpp")
@@ -43,8 +49,8 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", required=True, type=Path)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_bundle_flag(p, help=None, value_type=Path)
+    add_max_new_tokens_flag(p)
     p.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
                    help='your own prompts, one JSON object a line: {"category": ..., '
                         '"prompt": ...} or {"category": ..., "messages": [...]} (default: '
@@ -64,9 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive, default=3,
                    help="times the system comparison runs its prompts, each round giving "
                         "one ratio for the confidence interval (default 3)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
-                   help="runtime backend of our configurations (default ort-cpu)")
+    add_threads_flag(p, help=None)
+    add_backend_flag(p, help="runtime backend of our configurations (default ort-cpu)")
     p.add_argument("--out", type=Path, default=Path("bench_results"))
 
 
@@ -228,7 +233,10 @@ def _store_measurements(gen: Generator) -> str | None:
 
 
 def main(args: argparse.Namespace) -> None:
-    results = run(args)
-    for path in report.write(results, args.out):
-        print(f"wrote {path}", file=sys.stderr)
-    print(report.markdown(results))
+    """`specedge bench`: run, write the report, print its markdown; a bad bundle, prompt file
+    or setting ends it with one line on stderr and status 2."""
+    with bad_input_exits_2():
+        results = run(args)
+        for path in report.write(results, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+        print(report.markdown(results))

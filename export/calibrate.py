@@ -1,6 +1,6 @@
 """Measure the new bundle's draft before it ships: a short greedy run of the shipped prompt
 set with the runtime's default settings, stored in the bundle's auto_k.json
-(runtime/drafting/stored.py). A Generator opened on the bundle then starts auto K from the
+(runtime/drafting/auto_k_file.py). A Generator opened on the bundle then starts auto K from the
 draft's measured acceptance per position, and on this machine from its measured costs,
 instead of from a prior that a few early misses can push to plain decoding for the rest
 of a short generation (docs/design.md#choosing-k-automatically)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 from specedge.prompts import load_prompts, prompt_input
 from specedge.runtime import Generator
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.drafting import stored
+from specedge.runtime.drafting import auto_k_file
 
 NEW_TOKENS = 48
 
@@ -31,10 +31,10 @@ def calibrate(bundle: str | Path, prompts: int = 8, threads: int | None = None) 
     re-export replaces the whole folder, file included)."""
     from tqdm import tqdm
 
-    record = stored.read(Path(bundle))
-    machine = stored.machine_of("ort-cpu", threads)
+    record = auto_k_file.read(Path(bundle))
+    machine = auto_k_file.machine_of("ort-cpu", threads)
     if record and any(m["machine"] == machine for m in record["machines"]):
-        return Path(bundle) / stored.FILE
+        return Path(bundle) / auto_k_file.FILE
     gen = Generator.from_bundle(bundle, "ort-cpu", threads)
     limit = gen.context_limit(GenerationConfig.of(max_new_tokens=NEW_TOKENS))
     fitting = [p for p in load_prompts()

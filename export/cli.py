@@ -10,10 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from specedge.runtime.cli import fail
+from specedge.cli_common import add_bundle_flag, fail
+from specedge.export.steps import one_line
 from specedge.runtime.drafting.auto_k import AUTO_MAX_K
 from specedge.runtime.errors import SpecEdgeError
+
+if TYPE_CHECKING:
+    from specedge.export.settings import ExportSettings
 
 # `--backend` names the backend the bundle is for, as in `generate` and `bench`; only
 # tensorrt needs more than the ONNX graphs (engines built for this machine's GPU).
@@ -62,7 +67,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 def head_tokens_argument(value: str) -> int | str:
     """`--draft-head-tokens`: "all", "auto" or an integer (its range is checked with the
-    model's vocabulary, bundle_writer.py `_preflight`)."""
+    model's vocabulary, preflight.py `preflight`)."""
     if value in ("all", "auto"):
         return value
     try:
@@ -73,8 +78,8 @@ def head_tokens_argument(value: str) -> int | str:
 
 
 def add_build_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`; "
-                   "the engines are written into it")
+    add_bundle_flag(p, help="bundle folder made by `specedge export`; the engines are "
+                    "written into it")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32", "fp8", "int8"),
                    default="fp16", help="engine precision (default fp16; normalisation and "
                    "softmax stay fp32); int8/fp8 need a graph with Q/DQ nodes")
@@ -163,6 +168,18 @@ def model_argument(args: argparse.Namespace) -> str:
     return given[0]
 
 
+def export_settings(args: argparse.Namespace, model: str) -> ExportSettings:
+    """The ExportSettings of the bundle `specedge export`'s flags ask for, of `model`
+    (`model_argument`). Raises ValueError for a value no export can take."""
+    from specedge.export.settings import ExportSettings
+
+    return ExportSettings(
+        model=model, out=args.out, draft=args.draft, draft_layers=args.draft_layers,
+        draft_head_tokens=getattr(args, "draft_head_tokens", "auto"),
+        max_context=args.max_context, precision=args.precision, attention=args.attention,
+        verify=args.verify, force=args.force)
+
+
 def _export_modules():
     """The torch side, imported only when a command needs it."""
     try:
@@ -182,14 +199,10 @@ def run(args: argparse.Namespace) -> None:
     tensorrt = getattr(args, "backend", "onnx") == "tensorrt"
     try:
         engine_precision = _tensorrt_preflight(args) if tensorrt else None
-        manifest = bundle_writer.export_bundle(
-            model, args.out, draft=args.draft, draft_layers=args.draft_layers,
-            max_context=args.max_context, precision=args.precision, attention=args.attention,
-            verify=args.verify, force=args.force,
-            draft_head_tokens=getattr(args, "draft_head_tokens", "auto"))
+        manifest = bundle_writer.write_bundle(export_settings(args, model))
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
-        # One line: the export's errors name the step and what to do (bundle_writer.py).
-        fail(_one_line(e))
+        # One line: the export's errors name the step and what to do (steps.py).
+        fail(one_line(e))
     except KeyboardInterrupt:
         fail("interrupted; nothing was written")
     for role, report in (manifest.get("verify") or {}).items():
@@ -233,7 +246,7 @@ def _measure(bundle: str, prompts: int):
         return calibrate(bundle, prompts)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
         fail(f"the bundle {bundle} was exported, but measuring its draft failed: "
-             f"{_one_line(e)}; run again with --measure-prompts 0 to skip the measurement")
+             f"{one_line(e)}; run again with --measure-prompts 0 to skip the measurement")
     except KeyboardInterrupt:
         fail(f"interrupted; the bundle {bundle} was exported without auto_k.json")
 
@@ -263,10 +276,6 @@ def run_distill(args: argparse.Namespace) -> None:
     print(json.dumps({"draft": args.out, "report": report}))
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def run_build(args: argparse.Namespace) -> None:
     """`specedge build`: TensorRT engines into the bundle. Torch-free."""
     from specedge.export.tensorrt.build import build_engines
@@ -278,7 +287,7 @@ def run_build(args: argparse.Namespace) -> None:
                                  max_context=args.max_context, timing_cache=args.timing_cache,
                                  force=args.force)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
-        fail(_one_line(e))
+        fail(one_line(e))
     except KeyboardInterrupt:
         fail("interrupted; the bundle and its previous engines are unchanged")
     engines = manifest["engines"]

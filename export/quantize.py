@@ -38,6 +38,7 @@ import onnx
 from specedge.export.onnx_files import is_external, load_graph, save_graph
 from specedge.export.verify import graph_backend
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
+from specedge.runtime.stats import next_token_nll
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZE = 32
@@ -255,10 +256,8 @@ def chunked_perplexity(backend: OrtCpuBackend, ids: list[int],
     nll = 0.0
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start:min(start + chunk, len(ids) - 1)]  # the last id is only predicted
-        x = backend.forward(cache, piece, len(piece)).astype(np.float64)
-        x -= x.max(axis=-1, keepdims=True)
-        picked = x[np.arange(len(piece)), ids[start + 1:start + 1 + len(piece)]]
-        nll -= float((picked - np.log(np.exp(x).sum(axis=-1))).sum())
+        logits = backend.forward(cache, piece, len(piece))
+        nll += next_token_nll(logits, ids[start + 1:start + 1 + len(piece)])
     return float(np.exp(nll / (len(ids) - 1)))
 
 

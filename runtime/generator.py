@@ -6,24 +6,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Generator as PieceGenerator
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from specedge.runtime.backends import load_backend
-from specedge.runtime.bundle import load_bundle
+from specedge.runtime.bundle import Bundle, load_bundle
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import (
+    Drafter,
     FeatureDrafter,
     ModelDrafter,
+    auto_k_file,
     make_drafter,
-    stored,
 )
 from specedge.runtime.drafting.auto_k import Histories
 from specedge.runtime.kv_cache import capacity_for
-from specedge.runtime.loop import Decoding, decode
+from specedge.runtime.loop import GenerationState, decode
 from specedge.runtime.stats import StepClock, summarize
+from specedge.runtime.stop_strings import StopStringHoldback
 from specedge.runtime.text import TextCodec
 
 
@@ -49,6 +51,34 @@ def context_limit(bundle, config: GenerationConfig) -> int:
     return min(limits)
 
 
+@dataclass
+class _Outcome:
+    """Every token a generation produced (the end-of-sequence token included) and why it
+    ended, as `_until_eos_or_cancel` finds them."""
+
+    tokens: list[int] = field(default_factory=list)
+    reason: str = "max_new_tokens"
+
+
+def _until_eos_or_cancel(chunks: Iterator[list[int]], eos: set[int],
+                         cancel: threading.Event | None,
+                         outcome: _Outcome) -> Iterator[list[int]]:
+    """The loop's chunks of new tokens, cut before the first end-of-sequence token, or ended
+    after the step during which `cancel` was set."""
+    for chunk in chunks:
+        for i, token in enumerate(chunk):
+            if token in eos:
+                outcome.tokens.extend(chunk[:i + 1])
+                outcome.reason = "eos"
+                yield chunk[:i]
+                return
+        outcome.tokens.extend(chunk)
+        yield chunk
+        if cancel is not None and cancel.is_set():
+            outcome.reason = "cancelled"
+            return
+
+
 class Generator:
     """A bundle opened on a backend: `generate` and `stream` run exact speculative decoding
     with its draft (or prompt lookup, or none).
@@ -72,20 +102,21 @@ class Generator:
             feature_draft = bundle.draft.reads_features
             self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
         # What recent steps cost and accepted, for `auto`, kept across generations, starting
-        # from what earlier runs stored in the bundle (drafting/stored.py).
+        # from what earlier runs stored in the bundle (drafting/auto_k_file.py).
         self._histories = Histories()
-        self.machine = stored.machine_of(target, threads)
-        record = stored.read(bundle.root)
-        self.stored_costs = record is not None and stored.seed(self._histories, record,
+        self.machine = auto_k_file.machine_of(target, threads)
+        record = auto_k_file.read(bundle.root)
+        self.stored_costs = record is not None and auto_k_file.seed(self._histories, record,
                                                                self.machine)
         self._lock = threading.Lock()  # held by the running generation
         self._owner: int | None = None  # the thread that holds it
 
     @classmethod
-    def from_bundle(cls, path: str | Path, backend: str = "ort-cpu",
+    def from_bundle(cls, path: str | Path | Bundle, backend: str = "ort-cpu",
                     threads: int | None = None) -> Generator:
-        """Load and validate a bundle folder and open its graphs on `backend`."""
-        bundle = load_bundle(path)
+        """Load and validate a bundle folder (or take one `load_bundle` read already) and
+        open its graphs on `backend`."""
+        bundle = path if isinstance(path, Bundle) else load_bundle(path)
         target = load_backend(backend, bundle, "target", threads)
         draft = load_backend(backend, bundle, "draft", threads) if bundle.draft else None
         return cls(bundle, target, draft, TextCodec(bundle), threads)
@@ -96,17 +127,26 @@ class Generator:
 
     # ---- public API -----------------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        """Generate a completion; see `stream` for the arguments. Returns this call's own
+    def generate(self, prompt: str | None = None, *,
+                 prompt_ids: Sequence[int] | None = None,
+                 messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
+                 config: GenerationConfig | None = None,
+                 cancel: threading.Event | None = None, **settings) -> GenerationResult:
+        """Generate a completion; the arguments are `stream`'s. Returns this call's own
         result, also when other threads generate at the same time."""
-        pieces = self._generation(prompt, **kwargs)
+        ids = self.encode_prompt(prompt, prompt_ids, messages, raw)
+        pieces = self._generation(ids, GenerationConfig.of(config, **settings), cancel)
         while True:
             try:
                 next(pieces)
             except StopIteration as done:
                 return done.value
 
-    def stream(self, prompt: str | None = None, **kwargs) -> Iterator[str]:
+    def stream(self, prompt: str | None = None, *,
+               prompt_ids: Sequence[int] | None = None,
+               messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
+               config: GenerationConfig | None = None,
+               cancel: threading.Event | None = None, **settings) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; `self.last_result` then holds the result
         (the last generation's to finish, on any thread).
 
@@ -116,19 +156,17 @@ class Generator:
         draft_tokens, use_draft, drafter, draft_threshold, stop), or both: the keywords
         replace the config's values. With a stop string, `token_ids` ends with the token
         that completes the text. `cancel`, a `threading.Event`, ends the generation after
-        the step that is running when it is set (stop reason "cancelled").
+        the step that is running when it is set (stop reason "cancelled"). Nothing is
+        checked or run before the first piece is asked for.
         """
-        yield from self._generation(prompt, **kwargs)
-
-    def _generation(self, prompt: str | None = None, *,
-                    prompt_ids: Sequence[int] | None = None,
-                    messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
-                    config: GenerationConfig | None = None,
-                    cancel: threading.Event | None = None,
-                    **settings) -> PieceGenerator[str, None, GenerationResult]:
-        """`stream`'s pieces; returns the result (StopIteration.value)."""
         ids = self.encode_prompt(prompt, prompt_ids, messages, raw)
-        config = GenerationConfig.of(config, **settings)
+        yield from self._generation(ids, GenerationConfig.of(config, **settings), cancel)
+
+    def _generation(self, ids: list[int], config: GenerationConfig,
+                    cancel: threading.Event | None
+                    ) -> PieceGenerator[str, None, GenerationResult]:
+        """One generation's pieces, once the generator is free; returns the result
+        (StopIteration.value)."""
         if self._owner == threading.get_ident():
             raise RuntimeError("a generation is already running on this thread (a stream "
                                "not yet exhausted): finish or close() it before starting "
@@ -152,49 +190,22 @@ class Generator:
                              f"({config.max_new_tokens}) exceeds the bundle's context of "
                              f"{limit} tokens; shorten the prompt or lower "
                              "max_new_tokens")
-        state = self._decoding(ids, config, proposer, limit)
-        tokens: list[int] = []
-        reason = "max_new_tokens"
-        text = ""
+        state = self._new_state(ids, config, proposer, limit)
         chunks = decode(state, ids, self._histories, self._model_seconds)
-        eos = set(self.bundle.eos_token_ids)
-
-        def accepted() -> Iterator[list[int]]:
-            nonlocal reason
-            for chunk in chunks:
-                for i, tok in enumerate(chunk):
-                    if tok in eos:
-                        tokens.extend(chunk[:i + 1])
-                        reason = "eos"
-                        yield chunk[:i]
-                        return
-                tokens.extend(chunk)
-                yield chunk
-                if cancel is not None and cancel.is_set():
-                    reason = "cancelled"
-                    return
-
-        # Text that could be the start of a stop string is held back until it is not.
-        stops = config.stops
-        longest = max(map(len, stops), default=0)
-        emitted = 0
-        for piece in self.codec.stream(accepted()):
-            search_from = max(0, len(text) - longest)
-            text += piece
-            cut = min((i for s in stops if (i := text.find(s, search_from)) >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-                reason = "stop_string"
-            ready = len(text) if cut >= 0 else len(text) - max(0, longest - 1)
-            if ready > emitted:
-                yield text[emitted:ready]
-                emitted = ready
-            if cut >= 0:
+        outcome = _Outcome()
+        tokens = _until_eos_or_cancel(chunks, set(self.bundle.eos_token_ids), cancel, outcome)
+        holdback = StopStringHoldback(config.stops)
+        for piece in self.codec.stream(tokens):
+            if shown := holdback.feed(piece):
+                yield shown
+            if holdback.stopped:
+                outcome.reason = "stop_string"
                 break
-        if emitted < len(text):
-            yield text[emitted:]
+        if rest := holdback.rest():
+            yield rest
         chunks.close()
         self._cache = state.cache  # it may have grown
+        text, tokens, reason = holdback.text, outcome.tokens, outcome.reason
         if reason == "stop_string":
             # The last chunk may run past the stop string: keep the tokens the text needs.
             while tokens and len(self.codec.decode(tokens[:-1])) >= len(text):
@@ -203,11 +214,11 @@ class Generator:
         clock.finish()
         stats = summarize(clock, len(tokens), "auto" if config.auto else config.k_max,
                           proposer.name if proposer else "none", self.target.name, reason)
-        stats["sampling_on"] = state.choice.where
+        stats["sampling_on"] = state.selector.where
         return GenerationResult(text, tokens, stats, reason)
 
-    def _decoding(self, prompt: list[int], config: GenerationConfig, drafter,
-                  context: int) -> Decoding:
+    def _new_state(self, prompt: list[int], config: GenerationConfig,
+                   drafter: Drafter | None, context: int) -> GenerationState:
         """The state of one generation (`context`: its context_limit), with the target's
         cache ready for the prompt."""
         limit = capacity_for(len(prompt) + config.max_new_tokens, context)
@@ -217,19 +228,19 @@ class Generator:
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         self._cache.rollback(0)
-        return Decoding(self.target, self._cache, drafter, config,
-                        np.random.default_rng(config.seed), StepClock(), limit)
+        return GenerationState(self.target, self._cache, drafter, config,
+                               np.random.default_rng(config.seed), StepClock(), limit)
 
     def save_measurements(self, written_by: str) -> Path:
         """Store what auto K measured so far (each draft's acceptance per position, and
         this machine's draft and verification costs) in the bundle's auto_k.json, where the
         next Generator on this bundle starts from it. Returns the file's path."""
         with self._lock:
-            return stored.write(self.bundle.root, self._histories, self.machine, written_by)
+            return auto_k_file.write(self.bundle.root, self._histories, self.machine, written_by)
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _drafter(self, config: GenerationConfig):
+    def _drafter(self, config: GenerationConfig) -> Drafter | None:
         return make_drafter(config.drafter, self._model_drafter) if config.use_draft else None
 
     def _model_seconds(self) -> float:

@@ -29,35 +29,60 @@ def capacity_for(tokens: int, max_context: int) -> int:
     return min(max_context, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
 
 
-class KVCache:
+def check_room(length: int, t: int, capacity: int) -> None:
+    """Raise ValueError unless T more rows after `length` fit a cache of `capacity` rows."""
+    if length + t > capacity:
+        raise ValueError(f"KV cache full: {length + t} rows needed, capacity {capacity}")
+
+
+def check_call(cache: CacheRows, t: int, logits_to_keep: int) -> None:
+    """What every backend's `forward` checks before a call of T tokens: it keeps between 1
+    and T logits, and the cache has room for the T new rows."""
+    if t == 0 or not 1 <= logits_to_keep <= t:
+        raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
+    check_room(cache.length, t, cache.capacity)
+
+
+class CacheRows:
+    """The rows of a KV cache that count: [0, length) of `capacity`. Every cache (this
+    module's host cache, the device backend's arena) counts its rows this way."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Forget rows >= length (a rejected draft); O(1), the rows are masked, not cleared."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} rows")
+        self.length = length
+
+
+class KVCache(CacheRows):
     """`capacity` rows a generation may hold, plus `spare` rows past them that a graph may
     write but the cache never counts (ort_cpu.py: a one-token step run as two rows)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: np.dtype = np.float32, spare: int = 0):
+        super().__init__(capacity)
         self.planes = np.zeros((2 * num_layers, 1, num_kv_heads, capacity + spare, head_dim),
                                dtype)
         self.keys = list(self.planes[0::2])
         self.values = list(self.planes[1::2])
-        self.capacity = capacity
         self.spare = spare
-        self.length = 0
 
     def write(self, rows: np.ndarray) -> None:
         """Store T new rows per plane ([2 * layers, 1, kv_heads, T, head_dim], the graph's
         present outputs in order) at [length, length + T)."""
-        end = self.length + rows.shape[3]
-        if end > self.capacity:
-            raise ValueError(f"KV cache full: {end} rows needed, capacity {self.capacity}")
-        self.planes[:, :, :, self.length:end] = rows
-        self.length = end
+        t = rows.shape[3]
+        check_room(self.length, t, self.capacity)
+        self.planes[:, :, :, self.length:self.length + t] = rows
+        self.length += t
 
     def advance(self, t: int) -> None:
         """Count T rows that the graph wrote in place at [length, length + T) (KV layout
         "bhsd-inplace")."""
-        if self.length + t > self.capacity:
-            raise ValueError(f"KV cache full: {self.length + t} rows needed, capacity "
-                             f"{self.capacity}")
+        check_room(self.length, t, self.capacity)
         self.length += t
 
     def grown(self, capacity: int) -> KVCache:
@@ -69,9 +94,3 @@ class KVCache:
         new.planes[:, :, :, :self.length] = self.planes[:, :, :, :self.length]
         new.length = self.length
         return new
-
-    def rollback(self, length: int) -> None:
-        """Forget rows >= length (a rejected draft); O(1), the rows are masked, not cleared."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} rows")
-        self.length = length

@@ -4,7 +4,7 @@ One step (docs/design.md#the-speculative-step):
 
     drafts, q = drafter.propose(context, k)          # 1. K draft tokens and q_1..q_K
     rows = target([last token] + drafts)             # 2. one call -> p_1..p_{K+1}
-    n, token = choice.verify(rows, drafts, q)        # 3-6. accept n drafts, emit one more
+    n, token = selector.verify(rows, drafts, q)        # 3-6. accept n drafts, emit one more
     rollback both caches to the accepted rows        # rollback = set the length
 
 Plain decoding is the same step with k = 0, so the baseline shares every line of the loop.
@@ -19,28 +19,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specedge.runtime.backends import Backend, Cache
 from specedge.runtime.config import GenerationConfig
+from specedge.runtime.drafting import Drafter
 from specedge.runtime.drafting.auto_k import Histories, auto_k
 from specedge.runtime.kv_cache import capacity_for
 from specedge.runtime.stats import StepClock
-from specedge.runtime.token_choice import choice_for
+from specedge.runtime.token_selection import selector_for
 
 
 @dataclass
-class Decoding:
+class GenerationState:
     """What one generation's steps share. `cache` is the target's KV cache; a host cache
     is replaced by a larger one when a step would not fit (kv_cache.py, `grown`)."""
 
-    target: object                 # a backend (backends/__init__.py, Backend)
-    cache: object                  # the target's KV cache
-    drafter: object | None         # a drafter (drafting/__init__.py), None: plain decoding
+    target: Backend
+    cache: Cache                   # the target's KV cache
+    drafter: Drafter | None        # None: plain decoding
     config: GenerationConfig
     rng: np.random.Generator
     clock: StepClock
     limit: int                     # the largest cache this generation may need
 
     def __post_init__(self) -> None:
-        self.choice = choice_for(self.target)
+        self.selector = selector_for(self.target)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Step:
     draft_calls: int
 
 
-def speculative_step(state: Decoding, context: list[int], k: int) -> Step:
+def speculative_step(state: GenerationState, context: list[int], k: int) -> Step:
     """Draft up to k tokens after `context`, verify them with one target call, and roll both
     caches back to what was accepted."""
     drafter, sampling, clock = state.drafter, state.config.sampling, state.clock
@@ -68,12 +70,12 @@ def speculative_step(state: Decoding, context: list[int], k: int) -> Step:
     if rows_needed > state.cache.capacity:
         state.cache = state.cache.grown(capacity_for(rows_needed, state.limit))
     with clock.time("target"):
-        rows = state.choice.run(state.target, state.cache, [context[-1], *drafts],
+        rows = state.selector.call_model(state.target, state.cache, [context[-1], *drafts],
                                 len(drafts) + 1)
         if drafter and drafter.needs_features:
             drafter.observe(state.target.features, len(context) - 1)
     with clock.time("sampling"):
-        n, token = state.choice.verify(rows, drafts, q, sampling, state.rng)
+        n, token = state.selector.verify(rows, drafts, q, sampling, state.rng)
     # Rows for context[-1] and the n accepted drafts stay; the rest is stale.
     state.cache.rollback(len(context) + n)
     if drafter:
@@ -81,19 +83,19 @@ def speculative_step(state: Decoding, context: list[int], k: int) -> Step:
     return Step([*drafts[:n], token], len(drafts), n, draft_calls)
 
 
-def prefill(state: Decoding, prompt: list[int]) -> int:
+def prefill(state: GenerationState, prompt: list[int]) -> int:
     """Run the prompt through the target (and the drafter) and choose the first token."""
     with state.clock.time("prefill"):
-        rows = state.choice.run(state.target, state.cache, prompt, 1)
+        rows = state.selector.call_model(state.target, state.cache, prompt, 1)
         if state.drafter:
             state.drafter.start(prompt, state.limit)
             if state.drafter.needs_features:
                 state.drafter.observe(state.target.features, 0)
     with state.clock.time("sampling"):
-        return state.choice.pick(rows, state.config.sampling, state.rng)
+        return state.selector.pick(rows, state.config.sampling, state.rng)
 
 
-def decode(state: Decoding, prompt: list[int], histories: Histories,
+def decode(state: GenerationState, prompt: list[int], histories: Histories,
            model_seconds: Callable[[], float]) -> Iterator[list[int]]:
     """Yield the tokens of each step, up to max_new_tokens in all. `histories` carries
     auto's measurements across generations; `model_seconds()` is the time spent inside the

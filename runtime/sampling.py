@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SparseProbs", "process_logits", "process_row", "sample"]
+__all__ = ["SparseProbs", "process_logits", "process_row", "process_row_with_checked_settings",
+           "sample"]
 
 NARROW = 1.0 / 128  # top-p's first candidates: tokens holding this share of Z or more
 # Supports up to this size are walked in plain Python floats, not numpy calls. On the
@@ -110,48 +111,72 @@ def process_logits(
         ValueError: bad settings, or a row with no finite logit / a NaN / a ``+inf``.
     """
     x = np.asarray(logits)
-    logits, row_max = _checked(x, temperature, top_k, top_p)
-    vocab = logits.shape[-1]
-    if top_p < 1.0 and not 0 < top_k < vocab:
-        # Top-p alone reads only the top of each row: no float64 copy of the whole row.
-        return _scatter(_top_p_support(logits, row_max, temperature, top_p),
-                        logits.shape).reshape(x.shape)
-    # Shift by the row max *before* dividing by T: softmax, top-k and top-p are all
-    # shift-invariant, and (l - max) / T <= 0 cannot overflow to +inf even for tiny T
-    # (it may underflow to -inf, which is just a zero-probability token).
-    rows = _scaled(logits, np.array(row_max)[:, None], temperature)
-    if 0 < top_k < vocab:
-        rows = _mask_top_k(rows, top_k)
-    if top_p < 1.0:
-        return _scatter(_top_p_support(rows, [0.0] * len(rows), 1.0, top_p),
-                        rows.shape).reshape(x.shape)
-    return _softmax(rows).reshape(x.shape)
+    rows = _as_rows(x)
+    _check_settings(temperature, top_k, top_p)
+    return _processed(rows, _row_maxima(rows), temperature, top_k, top_p).reshape(x.shape)
 
 
 def process_row(logits: np.ndarray, temperature: float, top_k: int = 0,
                 top_p: float = 1.0) -> SparseProbs:
     """:func:`process_logits` of one row ``[V]``, as its support: the loop's form.
 
-    Same probabilities, bit for bit; top-p alone never builds the dense row.
+    Same probabilities, bit for bit; top-p alone never builds the dense row. Checks the
+    settings as :func:`process_logits` does; settings checked already (a config's
+    ``Sampling``) go to :func:`process_row_with_checked_settings`.
     """
-    x = np.asarray(logits)
-    if x.ndim != 1:
-        raise ValueError(f"process_row: expected one row of logits [V], got shape {x.shape}")
-    vocab = x.shape[0]
+    rows = _one_row(logits)
+    _check_settings(temperature, top_k, top_p)
+    return _row_support(rows, temperature, top_k, top_p)
+
+
+def process_row_with_checked_settings(logits: np.ndarray, temperature: float, top_k: int,
+                                      top_p: float) -> SparseProbs:
+    """:func:`process_row` for settings that were checked when they were made
+    (``config.Sampling``: ``temperature > 0``, ``top_k >= 0``, ``top_p`` in ``(0, 1]``), so
+    that a generation checks them once, not once per row. The logits, which come from a
+    model, are still checked."""
+    return _row_support(_one_row(logits), temperature, top_k, top_p)
+
+
+def _row_support(rows: np.ndarray, temperature: float, top_k: int,
+                 top_p: float) -> SparseProbs:
+    """One row of checked logits (``[1, V]``, :func:`_one_row`) and checked settings,
+    processed, as its support; each case on its fastest path."""
+    row_max = _row_maxima(rows)
+    vocab = rows.shape[-1]
     if top_p < 1.0 and not 0 < top_k < vocab:
-        rows, row_max = _checked(x, temperature, top_k, top_p)
         (ids, p), = _top_p_support(rows, row_max, temperature, top_p)
         return SparseProbs(ids, p, vocab)
     if top_p == 1.0 and not 0 < top_k < vocab:
-        return _temperature_row(x, temperature, top_k)
-    if top_p == 1.0 and 4 * top_k < vocab and x.dtype in (np.float32, np.float16):
-        row = _top_k_row(x, temperature, top_k)
+        return _temperature_row(rows, row_max, temperature)
+    if top_p == 1.0 and 4 * top_k < vocab and rows.dtype in (np.float32, np.float16):
+        row = _top_k_row(rows, row_max, temperature, top_k)
         if row is not None:
             return row
-    return as_sparse(process_logits(x, temperature, top_k, top_p))
+    return as_sparse(_processed(rows, row_max, temperature, top_k, top_p)[0])
 
 
-def _top_k_row(x: np.ndarray, temperature: float, top_k: int) -> SparseProbs | None:
+def _processed(rows: np.ndarray, row_max: list[float], temperature: float, top_k: int,
+               top_p: float) -> np.ndarray:
+    """:func:`process_logits` of checked ``[N, V]`` rows and checked settings: ``[N, V]``
+    float64 probabilities."""
+    vocab = rows.shape[-1]
+    if top_p < 1.0 and not 0 < top_k < vocab:
+        # Top-p alone reads only the top of each row: no float64 copy of the whole row.
+        return _scatter(_top_p_support(rows, row_max, temperature, top_p), rows.shape)
+    # Shift by the row max *before* dividing by T: softmax, top-k and top-p are all
+    # shift-invariant, and (l - max) / T <= 0 cannot overflow to +inf even for tiny T
+    # (it may underflow to -inf, which is just a zero-probability token).
+    scaled = _scaled(rows, np.array(row_max)[:, None], temperature)
+    if 0 < top_k < vocab:
+        scaled = _mask_top_k(scaled, top_k)
+    if top_p < 1.0:
+        return _scatter(_top_p_support(scaled, [0.0] * len(scaled), 1.0, top_p), scaled.shape)
+    return _softmax(scaled)
+
+
+def _top_k_row(rows: np.ndarray, row_max: list[float], temperature: float,
+               top_k: int) -> SparseProbs | None:
     """:func:`process_row` with temperature and top-k (``4 k < V``) of float32 / float16
     logits, bit for bit, from the k largest logits alone; None where it cannot promise that.
 
@@ -164,7 +189,6 @@ def _top_k_row(x: np.ndarray, temperature: float, top_k: int) -> SparseProbs | N
     the vocabulary: the same values in the same order). A row with at most ``k`` unmasked
     tokens, or too few survivors, is left to the full path too.
     """
-    rows, row_max = _checked(x, temperature, top_k, 1.0)
     row, m = rows[0], row_max[0]
     vocab = row.shape[0]
     # introselect slows ~15x on a long run of equal values (a mostly masked row, e.g. a
@@ -202,17 +226,17 @@ def _above_kth(values: np.ndarray, k: int) -> np.ndarray:
     return above if above.size >= k else values
 
 
-def _temperature_row(x: np.ndarray, temperature: float, top_k: int) -> SparseProbs:
-    """:func:`process_row` with temperature alone: :func:`process_logits`' arithmetic on one
-    fresh float64 row, without its passes that change nothing.
+def _temperature_row(rows: np.ndarray, row_max: list[float],
+                     temperature: float) -> SparseProbs:
+    """:func:`process_row` with temperature alone (``top_k`` 0, or at least V: no top-k):
+    :func:`process_logits`' arithmetic on one fresh float64 row, without its passes that
+    change nothing.
 
     At V = 262144 a pass over a float64 row costs 0.1-0.3 ms and the exp 3.5 ms (AVX2, no
     SIMD exp for float64), so the row's passes are counted: the shifted row's max is exactly
     0 (``(m - m) / T``), so :func:`_softmax_dense`'s shift by it is skipped (``e - 0.0`` is
     ``e``), and a row with no zero probability keeps every id without a scan for its support.
-    ``top_k`` (0, or at least V: no top-k) is only validated.
     """
-    rows, row_max = _checked(x, temperature, top_k, 1.0)
     scaled = _scaled(rows, row_max[0], temperature)
     vocab = scaled.shape[-1]
     if 4 * np.count_nonzero(scaled > -np.inf) < vocab:
@@ -236,14 +260,28 @@ def _every_id(vocab: int) -> np.ndarray:
     return _EVERY_ID[vocab]
 
 
-def _checked(x: np.ndarray, temperature: float, top_k: int, top_p: float
-             ) -> tuple[np.ndarray, list[float]]:
-    """Validate the settings and the logits; returns them as ``[N, V]`` rows (a float
-    dtype) with each row's max as a Python float (exactly the float64 of it)."""
+def _one_row(logits: np.ndarray) -> np.ndarray:
+    """One row of logits ``[V]`` as ``[1, V]`` rows (:func:`_as_rows`); ValueError for any
+    other shape."""
+    x = np.asarray(logits)
+    if x.ndim != 1:
+        raise ValueError(f"process_row: expected one row of logits [V], got shape {x.shape}")
+    return _as_rows(x)
+
+
+def _as_rows(x: np.ndarray) -> np.ndarray:
+    """Logits ``[V]`` or ``[N, V]`` as ``[N, V]`` rows of a float dtype; ValueError for any
+    other shape."""
     if x.dtype.kind != "f":
         x = x.astype(np.float64)  # top-p compares in the logits' own dtype
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"process_logits: expected logits of shape [V] or [N, V], got {x.shape}")
+    return x.reshape(1, -1) if x.ndim == 1 else x
+
+
+def _check_settings(temperature: float, top_k: int, top_p: float) -> None:
+    """The entry check of :func:`process_logits` and :func:`process_row`, for callers whose
+    settings were not checked when they were made."""
     if not temperature > 0:
         raise ValueError(
             f"process_logits: temperature must be > 0, got {temperature!r} "
@@ -253,13 +291,17 @@ def _checked(x: np.ndarray, temperature: float, top_k: int, top_p: float
         raise ValueError(f"process_logits: top_k must be >= 0 (0 disables), got {top_k!r}")
     if not 0.0 <= top_p <= 1.0:
         raise ValueError(f"process_logits: top_p must be in [0, 1], got {top_p!r}")
-    rows = x.reshape(1, -1) if x.ndim == 1 else x
+
+
+def _row_maxima(rows: np.ndarray) -> list[float]:
+    """Each row's max as a Python float (exactly the float64 of it); ValueError naming the
+    rows that have no finite max."""
     row_max = rows.max(axis=-1).tolist()
     # np.max propagates NaN, so one reduction tells whether every row is usable: a finite
     # max means no NaN, no +inf and at least one unmasked token.
     if not all(map(math.isfinite, row_max)):
         raise _invalid_rows_error(rows)
-    return rows, row_max
+    return row_max
 
 
 def _scatter(supports: list[tuple[np.ndarray, np.ndarray]], shape: tuple) -> np.ndarray:

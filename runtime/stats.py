@@ -9,6 +9,11 @@ beta is estimated as accepted / examined: a step examines draft tokens up to and
 the first rejection; the drafts after it are never tested, so counting them (accepted /
 drafted, reported as `draft_kept_fraction`) would bias beta low. Per-position acceptance is
 likewise conditional: accepted at position i / examined at position i.
+
+`next_token_nll` measures quality rather than speed: the log-likelihood of a text under a
+model's logits, from which `specedge bench` (bench/perplexity.py) and the export's
+quantization report (export/quantize.py) both compute perplexity. It lives in the runtime,
+the one package both of them import, and works on the numpy logits a backend returns.
 """
 
 from __future__ import annotations
@@ -152,20 +157,13 @@ def summarize(clock: StepClock, tokens: int, k: int | str, drafter: str, backend
             "tokens_per_second": tokens / total if total > 0 else 0.0}
 
 
-def perplexity(logits: np.ndarray, ids: Sequence[int]) -> float:
-    """``exp(-mean log softmax(logits[i])[ids[i + 1]])`` over i < len(ids) - 1: the
-    perplexity of a text under a model, with ``logits`` [len(ids), V] the model's rows at
-    the text's positions (the last one unused)."""
-    n = len(ids) - 1
-    if n < 1 or len(logits) < n:
-        raise ValueError(f"perplexity needs 2 or more ids and a logit row for each, got "
-                         f"{len(ids)} ids and {len(logits)} rows")
-    x = np.asarray(logits[:n], dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    logp = x[np.arange(n), ids[1:]] - np.log(np.exp(x).sum(axis=-1))
-    return float(np.exp(-logp.mean()))
-
-
-def model_perplexity(backend, ids: Sequence[int]) -> float:
-    """:func:`perplexity` of ``ids`` under a backend's graph, from one prefill call."""
-    return perplexity(backend.forward(backend.new_cache(len(ids)), ids, len(ids)), ids)
+def next_token_nll(logits: np.ndarray, next_ids: Sequence[int]) -> float:
+    """Negative log-likelihood in nats of a text's tokens under a model: the sum over rows i
+    of ``-log softmax(logits[i])[next_ids[i]]``, with ``logits`` [len(next_ids), V] the
+    model's rows at the positions before those tokens. Computed in float64, each row shifted
+    by its maximum so that ``exp`` never overflows. The quality figure of `specedge bench`
+    and of the export's quantization report (perplexity) is ``exp`` of its mean."""
+    x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay as they are
+    x -= x.max(axis=-1, keepdims=True)
+    picked = x[np.arange(len(next_ids)), next_ids]
+    return float(-(picked - np.log(np.exp(x).sum(axis=-1))).sum())

@@ -1,11 +1,5 @@
-"""`specedge serve`: the command line, and the uvicorn server that drains on SIGTERM.
-
-uvicorn on its own stops listening at the first SIGTERM, so a client that connects during
-shutdown gets "connection refused", and it re-raises the signal at exit, so the process
-ends with status -15. Here the first SIGTERM (or Ctrl-C) only drains: new requests get 503
-while those in flight finish, up to --shutdown-timeout; those still running then end with
-an error event, and the process exits 0. A second signal stops at once.
-"""
+"""`specedge serve`: the command line; the server runs on uvicorn and drains on SIGTERM
+(draining.py), or on a Ray Serve cluster with --ray (cluster/)."""
 
 from __future__ import annotations
 
@@ -15,26 +9,32 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
-from specedge.runtime.backends import BACKENDS
+from specedge.cli_common import (
+    add_backend_flag,
+    add_bundle_flag,
+    add_draft_tokens_flag,
+    add_drafter_flag,
+    add_threads_flag,
+    bad_input_exits_2,
+    fail,
+)
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.cli import draft_tokens_arg, fail
-from specedge.runtime.config import DEFAULT_DRAFTER, DRAFTERS, check_threads
+from specedge.runtime.config import check_threads
 from specedge.runtime.errors import SpecEdgeError
 
 log = logging.getLogger("specedge.serve")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`")
+    add_bundle_flag(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; "
                    "0.0.0.0 for every interface, with an API key)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
-    p.add_argument("--backend", choices=BACKENDS, default="ort-cpu")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    add_backend_flag(p)
+    add_threads_flag(p)
     p.add_argument("--model-name", default=None,
                    help="the model's name in the API (default: the bundle folder's name)")
     key = p.add_mutually_exclusive_group()
@@ -50,10 +50,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds from a request's arrival to its last token (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
-    p.add_argument("--draft-tokens", type=draft_tokens_arg, default=None,
-                   help="K for requests that do not set their own: an integer or 'auto' "
-                   "(default: auto when greedy, 1 when sampling)")
-    p.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER)
+    add_draft_tokens_flag(p, "K for requests that do not set their own: an integer or 'auto' "
+                          "(default: auto when greedy, 1 when sampling)")
+    add_drafter_flag(p)
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="the most tokens one request may ask for (default 4096)")
     p.add_argument("--max-messages", type=int, default=512)
@@ -111,10 +110,8 @@ def _settings(args: argparse.Namespace):
             fail(f"--{name.replace('_', '-')} must be > 0 seconds")
     if not 0 <= args.port < 65536:
         fail(f"--port must be in [0, 65535], got {args.port}")
-    try:
+    with bad_input_exits_2():
         check_threads(args.threads)
-    except ValueError as e:
-        fail(str(e))
     return ServerSettings(
         bundle=args.bundle, backend=args.backend, threads=args.threads,
         model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
@@ -140,10 +137,8 @@ def _cluster(args: argparse.Namespace):
               if getattr(args, name) is not None}
     settings = ClusterSettings(min_replicas=low, max_replicas=high,
                                device_resource=args.device_resource, **delays)
-    try:
+    with bad_input_exits_2():
         settings.check()
-    except ValueError as e:
-        fail(str(e))
     return settings
 
 
@@ -192,7 +187,7 @@ def run_serve(args: argparse.Namespace) -> None:
              "pip install 'specedge[serve]'")
     settings = _settings(args)
     try:
-        load_bundle(settings.bundle)  # a bad folder fails here, before the port opens
+        bundle = load_bundle(settings.bundle)  # a bad folder fails here, before the port opens
     except SpecEdgeError as e:
         fail(str(e))
     logging.basicConfig(level=args.log_level.upper(),
@@ -201,42 +196,14 @@ def run_serve(args: argparse.Namespace) -> None:
         log.warning("listening on %s without an API key: anyone who reaches this port can "
                     "use the model; set --api-key-file or $SPECEDGE_API_KEY", args.host)
     from specedge.runtime.generator import Generator
+    from specedge.serve.draining import DrainingServer
 
     server = Server(settings, lambda: Generator.from_bundle(
-        settings.bundle, backend=settings.backend, threads=settings.threads))
+        bundle, backend=settings.backend, threads=settings.threads))
     app = build_app(settings, server=server)
-
-    class DrainingServer(uvicorn.Server):
-        drain_deadline: float | None = None
-        exit_code = 0
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.drain_deadline is not None or server.phase != "ready":
-                self.force_exit = self.drain_deadline is not None
-                self.should_exit = True
-                return
-            log.info("draining: no new requests; waiting up to %g s for %d in flight",
-                     settings.shutdown_timeout, server.engine.in_flight)
-            server.drain()
-            self.drain_deadline = time.monotonic() + settings.shutdown_timeout
-
-        async def on_tick(self, counter: int) -> bool:
-            if self.drain_deadline is not None and not self.should_exit:
-                if server.engine.idle:
-                    self.should_exit = True
-                elif time.monotonic() >= self.drain_deadline:
-                    log.warning("shutdown timeout: stopping the requests still in flight")
-                    server.engine.withdraw_all("shutdown")
-                    self.should_exit = True
-            return await super().on_tick(counter)
-
-        def failed(self, message: str) -> None:
-            self.exit_code = 1
-            self.should_exit = True
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, lifespan="on")
-    runner = DrainingServer(config)
+    runner = DrainingServer(config, server, settings.shutdown_timeout)
     server.on_failure = runner.failed
     runner.run()
     if runner.exit_code:

@@ -31,10 +31,11 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    """One request's generation: `kwargs` for `Generator.stream`; events go to `events` as
-    ("piece", text), then ("done", GenerationResult) or ("error", exception)."""
+    """One request's generation: its prompt's token ids and its settings; events go to
+    `events` as ("piece", text), then ("done", GenerationResult) or ("error", exception)."""
 
-    kwargs: dict[str, Any]
+    prompt_ids: list[int]
+    config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -126,7 +127,8 @@ class Worker:
     def _serve(self) -> None:
         while (job := self._next()) is not None:
             try:
-                for piece in self.generator.stream(cancel=job.cancel, **job.kwargs):
+                for piece in self.generator.stream(prompt_ids=job.prompt_ids, config=job.config,
+                                                   cancel=job.cancel):
                     self.last_progress = time.monotonic()
                     job.post("piece", piece)
                 outcome = ("done", self.generator.last_result)
@@ -190,7 +192,7 @@ class LocalEngine:
 
     async def submit(self, ids: list[int], config: GenerationConfig) -> Job:
         """Queue a generation; QueueFull when every queue slot is taken."""
-        job = Job({"prompt_ids": ids, "config": config}, asyncio.get_running_loop())
+        job = Job(ids, config, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except QueueFull:

@@ -1,4 +1,4 @@
-"""`specedge <command>`: generate, chat, serve, export, build, distill, bench.
+"""`specedge <command>`: generate, chat, serve, export, build, distill, bench, gpu-check.
 
 Each command imports only what it needs, so `specedge generate`, `specedge chat`,
 `specedge serve` and `specedge build` run where torch is absent.
@@ -7,12 +7,12 @@ Each command imports only what it needs, so `specedge generate`, `specedge chat`
 from __future__ import annotations
 
 import argparse
+import sys
 
-from specedge.bench.run import add_arguments as add_bench_arguments
+from specedge import chat_cli, generate_cli
+from specedge.bench import run as bench_run
 from specedge.export import cli as export_cli
-from specedge.runtime import chat_cli
-from specedge.runtime import cli as runtime_cli
-from specedge.runtime.errors import SpecEdgeError
+from specedge.gpu_check import check as gpu_check
 from specedge.serve import cli as serve_cli
 
 
@@ -26,7 +26,7 @@ class Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="specedge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    runtime_cli.add_generate(sub)
+    generate_cli.add_generate(sub)
     chat_cli.add_chat(sub)
     for name, help_text, add_arguments in (
         ("serve", "an OpenAI-compatible HTTP server for a bundle (needs the serve extra: "
@@ -38,17 +38,14 @@ def main(argv: list[str] | None = None) -> None:
         ("build", "bundle -> TensorRT engines, on the device that will run them (needs "
          "tensorrt and cuda-python, no torch)", export_cli.add_build_arguments),
         ("bench", "speculative vs plain decoding and other systems on a prompt set; writes "
-         "JSON, markdown, plots", add_bench_arguments),
+         "JSON, markdown, plots", bench_run.add_arguments),
+        ("gpu-check", "the GPU path end to end on a CUDA machine, against ort-cpu; writes a "
+         "JSON report (docs/gpu.md)", gpu_check.add_arguments),
     ):
         add_arguments(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from specedge.bench.run import main as bench_main
-
-        try:
-            bench_main(args)
-        except (ValueError, SpecEdgeError) as e:
-            runtime_cli.fail(str(e))
+        bench_run.main(args)
     elif args.command == "build":
         export_cli.run_build(args)
     elif args.command == "export":
@@ -59,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         serve_cli.run_serve(args)
     elif args.command == "chat":
         chat_cli.run_chat(args)
+    elif args.command == "gpu-check":
+        sys.exit(gpu_check.run(args))
     else:
-        runtime_cli.run_generate(args)
+        generate_cli.run_generate(args)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ def test_generate_compare_streaming(capsys, tiny_bundle):
 
 
 def test_compare_says_where_and_why_greedy_tokens_differ():
-    from specedge.runtime.cli import _same_tokens
+    from specedge.generate_cli import _same_tokens
 
     assert _same_tokens([1, 2, 3], [1, 2, 3], {}) == "; same tokens"
     int8 = {"quantization": {"batch_invariant": False, "batch_max_logit_diff": 0.98}}

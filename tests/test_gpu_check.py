@@ -11,6 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specedge.gpu_check import backends, comparison
+from specedge.gpu_check import sampling as gpu_check_sampling
+from specedge.gpu_check.backends import HostEngineOnDevice
+
 ROOT = Path(__file__).parent.parent
 PARTS = {"sampling_kernels", "device_kv", "device_loop", "ort_cuda", "tensorrt"}
 
@@ -34,11 +38,6 @@ def test_gpu_check_reports_what_it_could_run(tmp_path):
 
 
 def _sampling_check(sampler_class):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_check_sampling
-
     from specedge.runtime.backends.memory import HostMemory
 
     memory = HostMemory()
@@ -49,7 +48,7 @@ def _sampling_check(sampler_class):
 
 
 def test_the_kernel_checks_pass_on_the_numpy_twin_and_catch_a_wrong_sampler():
-    """scripts/gpu_check_sampling.py, the GPU part (a), run here against HostSampler (the
+    """specedge/gpu_check/sampling.py, the GPU part (a), run here against HostSampler (the
     kernels' interface in numpy): every section must pass; a sampler that accepts drafts
     without the u * q < p test must fail it. Sample sizes: 3000 draws per statistical
     section, alpha 0.001, seeded (the GPU run uses 20,000 and vocabularies 49152, 128256)."""
@@ -71,15 +70,10 @@ def test_the_device_loop_check_passes_on_host_memory(tiny_bundle):
     """gpu_check's device_loop part, with host memory and the numpy twin in place of the GPU
     and its kernels: the check's own plumbing (an engine reading device addresses through
     downloads and uploads) must reproduce ort-cpu; 600 generations per arm, alpha 0.001."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_check
-
     from specedge.runtime.backends.device_sampling import HostSampler
     from specedge.runtime.backends.memory import HostMemory
 
-    report = gpu_check.check_device_loop(tiny_bundle, HostMemory, HostSampler)
+    report = backends.check_device_loop(tiny_bundle, HostMemory, HostSampler)
     assert report["status"] == "pass", report
     assert report["identical_to_ort_cpu"] == report["greedy_cases"] == 8
 
@@ -122,31 +116,16 @@ def test_gpu_check_runs_this_checkout_without_an_install(tmp_path):
         assert report["status"] == "pass"
 
 
-def _gpu_check():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_check
-
-    return gpu_check
-
-
-class _ScaledLogits:
+class _ScaledLogits(HostEngineOnDevice):
     """An engine whose logits come out 1.5 times too large: the same argmax everywhere, so
     the same greedy tokens, but every probability wrong."""
 
-    def __new__(cls, spec, memory):
-        gpu_check = _gpu_check()
-
-        class Scaled(gpu_check.HostEngineOnDevice):
-            def execute(self, key, plan, host_values):
-                super().execute(key, plan, host_values)
-                (logits,) = [b for b in plan if b.name == "logits"]
-                rows = np.empty(logits.shape, logits.dtype)
-                self.memory.download(logits.address, rows)
-                self.memory.upload(logits.address, rows * np.float32(1.5))
-
-        return Scaled(spec, memory)
+    def execute(self, key, plan, host_values):
+        super().execute(key, plan, host_values)
+        (logits,) = [b for b in plan if b.name == "logits"]
+        rows = np.empty(logits.shape, logits.dtype)
+        self.memory.download(logits.address, rows)
+        self.memory.upload(logits.address, rows * np.float32(1.5))
 
 
 def test_an_fp16_engine_is_judged_by_tolerance_not_token_equality(tiny_bundle,
@@ -162,18 +141,17 @@ def test_an_fp16_engine_is_judged_by_tolerance_not_token_equality(tiny_bundle,
     from specedge.runtime.backends.device_sampling import HostSampler
     from specedge.runtime.backends.memory import HostMemory
 
-    gpu_check = _gpu_check()
     fp16 = tmp_path / "fp16"
     export_bundle(str(tiny_checkpoints["llama"]), fp16, draft_layers=1, precision="fp16")
     ref = Generator.from_bundle(tiny_bundle)
-    report = gpu_check.compare_generators(
-        ref, gpu_check.device_generator(fp16, HostMemory, HostSampler), "fp16")
+    report = comparison.compare_generators(
+        ref, backends.device_generator(fp16, HostMemory, HostSampler), "fp16")
     assert report["status"] == "pass", report
     assert report["precision"] == "fp16" and report["tolerance"]["reason"]
     logits = report["teacher_forced_logits"]
-    assert logits["positions"] == 2 * gpu_check.NEW_TOKENS
+    assert logits["positions"] == 2 * comparison.NEW_TOKENS
     assert 0.9 <= logits["greedy_agreement"] < 1.0
-    assert set(logits["first_disagreement"]) == set(gpu_check.TINY_PROMPTS)
+    assert set(logits["first_disagreement"]) == set(comparison.TINY_PROMPTS)
     assert [d for d in logits["first_disagreement"].values() if d is not None]
     assert 0 < logits["max_logit_diff_in_row_std"] <= 0.1
     assert report["identical_to_ort_cpu"] < report["greedy_cases"] == 8
@@ -182,7 +160,7 @@ def test_an_fp16_engine_is_judged_by_tolerance_not_token_equality(tiny_bundle,
     for case in report["divergences"]:
         assert case["near_tie"] and 0 <= case["ort_cpu_margin_in_row_std"] <= 0.5
     # The same engine judged as fp32 (token for token, as gpu_check judged every engine):
-    assert gpu_check.verdict("fp32", logits, report["divergences"])[0] == "fail"
+    assert comparison.verdict("fp32", logits, report["divergences"])[0] == "fail"
 
 
 def test_an_engine_with_wrong_logits_fails_though_its_tokens_are_right(tiny_bundle):
@@ -192,50 +170,47 @@ def test_an_engine_with_wrong_logits_fails_though_its_tokens_are_right(tiny_bund
     from specedge.runtime.backends.device_sampling import HostSampler
     from specedge.runtime.backends.memory import HostMemory
 
-    gpu_check = _gpu_check()
-    dev = gpu_check.device_generator(tiny_bundle, HostMemory, HostSampler, _ScaledLogits)
-    report = gpu_check.compare_generators(Generator.from_bundle(tiny_bundle), dev, "fp16")
+    dev = backends.device_generator(tiny_bundle, HostMemory, HostSampler, _ScaledLogits)
+    report = comparison.compare_generators(Generator.from_bundle(tiny_bundle), dev, "fp16")
     assert report["identical_to_ort_cpu"] == report["greedy_cases"] == 8
     assert report["status"] == "fail"
     assert report["teacher_forced_logits"]["max_logit_diff_in_row_std"] > 0.25
-    assert gpu_check.verdict("fp32", report["teacher_forced_logits"], [])[0] == "fail"
+    assert comparison.verdict("fp32", report["teacher_forced_logits"], [])[0] == "fail"
 
 
 def test_the_verdict_allows_reduced_precision_divergences_only_at_near_ties():
-    gpu_check = _gpu_check()
     close = {"max_logit_diff_in_row_std": 0.1}
 
     def case(margin):
         return {"prompt": "p", "settings": {}, "first_divergence": 3,
                 "ort_cpu_margin_in_row_std": margin, "near_tie": margin <= 0.5}
 
-    assert gpu_check.verdict("fp16", close, [case(0.3)]) == ("pass", [])
-    status, reasons = gpu_check.verdict("fp16", close, [case(0.3), case(0.8)])
+    assert comparison.verdict("fp16", close, [case(0.3)]) == ("pass", [])
+    status, reasons = comparison.verdict("fp16", close, [case(0.3), case(0.8)])
     assert status == "fail" and len(reasons) == 1 and "not a near tie" in reasons[0]
-    assert gpu_check.verdict("fp32", close, [])[0] == "fail"  # 0.1 > fp32's 1e-3
-    assert gpu_check.verdict("fp32", {"max_logit_diff_in_row_std": 1e-6}, []) == ("pass", [])
-    assert gpu_check.verdict("fp32", {"max_logit_diff_in_row_std": 1e-6},
-                             [case(0.0)])[0] == "fail"
-    assert gpu_check.verdict("bf16", {"max_logit_diff_in_row_std": 0.6}, [])[0] == "pass"
-    assert gpu_check.verdict("fp16", {"max_logit_diff_in_row_std": 0.26}, [])[0] == "fail"
+    assert comparison.verdict("fp32", close, [])[0] == "fail"  # 0.1 > fp32's 1e-3
+    assert comparison.verdict("fp32", {"max_logit_diff_in_row_std": 1e-6}, []) == ("pass", [])
+    assert comparison.verdict("fp32", {"max_logit_diff_in_row_std": 1e-6},
+                              [case(0.0)])[0] == "fail"
+    assert comparison.verdict("bf16", {"max_logit_diff_in_row_std": 0.6}, [])[0] == "pass"
+    assert comparison.verdict("fp16", {"max_logit_diff_in_row_std": 0.26}, [])[0] == "fail"
     with pytest.raises(ValueError, match="no logit tolerance is stated for precision 'int8'"):
-        gpu_check.verdict("int8", close, [])
+        comparison.verdict("int8", close, [])
 
 
 def test_logit_report_and_first_divergence():
-    gpu_check = _gpu_check()
-    assert gpu_check.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert gpu_check.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert gpu_check.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert comparison.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert comparison.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert comparison.first_divergence([1, 2], [1, 2, 3]) == 2
     ref = np.array([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
     dev = ref.copy()
     dev[1, 1] += 1.5  # 3.5: now above token 0's 3.0, so the argmax moves
-    report = gpu_check.logit_report(ref, dev, [3, 0, 2])
+    report = comparison.logit_report(ref, dev, [3, 0, 2])
     assert report["greedy_agreement"] == pytest.approx(2 / 3)
     assert report["first_disagreement"] == 1 and report["positions"] == 3
     assert report["max_logit_diff"] == 1.5
     assert report["max_logit_diff_in_row_std"] == pytest.approx(1.5 / ref[1].std())
-    assert gpu_check.margin_in_row_std(ref[0], 3, 1) == pytest.approx(2 / ref[0].std())
+    assert comparison.margin_in_row_std(ref[0], 3, 1) == pytest.approx(2 / ref[0].std())
 
 
 def test_the_tensorrt_part_judges_each_engine_by_its_precision(tiny_bundle, tmp_path,
@@ -251,7 +226,6 @@ def test_the_tensorrt_part_judges_each_engine_by_its_precision(tiny_bundle, tmp_
     import specedge.export.tensorrt.build as build
     from specedge.runtime import Generator
 
-    gpu_check = _gpu_check()
     built = []
     monkeypatch.setattr(build, "build_engines",
                         lambda bundle, precision: built.append((Path(bundle).name, precision)))
@@ -263,7 +237,7 @@ def test_the_tensorrt_part_judges_each_engine_by_its_precision(tiny_bundle, tmp_
 
     monkeypatch.setattr(Generator, "from_bundle", staticmethod(emulated))
     shutil.copytree(tiny_bundle, tmp_path / "tiny-bundle")  # as --tiny-bundle gives it
-    report = gpu_check.check_tensorrt({"tensorrt": "10.3.0"}, tmp_path, None)
+    report = backends.check_tensorrt({"tensorrt": "10.3.0"}, tmp_path, None)
     assert built == [("tiny-trt", "fp32"), ("tiny-fp16-trt", "fp16")]
     assert report["status"] == "pass", report
     assert report["tiny"]["precision"] == "fp32"

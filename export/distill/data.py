@@ -18,7 +18,7 @@ from specedge.export.distill.prompts import (
 )
 from specedge.export.distill.self_prompts import bench_requests, self_prompts
 from specedge.export.drafts.feature import target_layer_outputs
-from specedge.runtime.files import replacing
+from specedge.runtime.atomic_files import replacing
 
 
 def generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specedge.export.drafts.feature import FeatureDraft
-from specedge.export.graph.llama import target_features
+from specedge.export.graph.outputs import target_features
 
 
 def head_columns(head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from specedge.prompts import load_prompts
-from specedge.runtime.files import atomic_write
+from specedge.runtime.atomic_files import atomic_write
 
 REQUEST_TOKENS = 64
 MARK = "\x00specedge\x00"

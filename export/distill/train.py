@@ -42,7 +42,7 @@ from specedge.export.distill.data import (
     build_dataset,
     head_token_ids,
 )
-from specedge.export.distill.folder import (
+from specedge.export.distill.draft_folder import (
     DRAFT_KINDS,
     save_draft,
     tokenizer_digest,
@@ -52,7 +52,7 @@ from specedge.export.distill.losses import (
 )
 from specedge.export.drafts.feature import FeatureDraft, check_feature_layers
 from specedge.export.drafts.truncated import attach_head, check_mlp_width, make_draft
-from specedge.runtime.files import replacing
+from specedge.runtime.atomic_files import replacing
 
 
 def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):

@@ -240,10 +240,10 @@ def limit_draft_head(draft: nn.Module, ids: torch.Tensor) -> None:
     attach_head(draft, ids)
 
 
-def apply_draft_head(draft: nn.Module, tokenizer, setting: int | str | None,
+def apply_draft_head(draft: nn.Module, tokenizer, n: int | None,
                      always: Iterable[int] = ()) -> None:
-    """Limit a truncated or checkpoint draft's head as `--draft-head-tokens` says (nothing
-    for all tokens); `always`: ids it must score (the bundle's end-of-sequence ids)."""
-    n = draft_head_size(setting, draft.config.vocab_size)
+    """Limit a truncated or checkpoint draft's head to the `n` tokens `head_subset_ids`
+    chooses (`n` as `draft_head_size` makes it of `--draft-head-tokens`; None: every token,
+    the head as it is); `always`: ids it must score (the bundle's end-of-sequence ids)."""
     if n is not None:
         limit_draft_head(draft, head_subset_ids(tokenizer, draft.config.vocab_size, n, always))

@@ -52,12 +52,18 @@ def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,
             torch.where(causal, 0.0, neg).to(dtype).repeat(groups, 1))
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """tanh(x / cap) * cap, Gemma's soft-capping; x as it is without a cap."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      past_k: torch.Tensor, past_v: torch.Tensor,
                      bias: tuple[torch.Tensor, torch.Tensor],
-                     shape: tuple[int, int, int]) -> torch.Tensor:
+                     shape: tuple[int, int, int], cap: float | None = None) -> torch.Tensor:
     """q [1, H, T, D], already scaled; k, v [1, Hkv, T, D]; past_k, past_v [1, Hkv, C, D];
-    bias from `attention_bias`; shape (H, Hkv, D) -> [1, T, H*D].
+    bias from `attention_bias`; shape (H, Hkv, D) -> [1, T, H*D]. `cap`: the scores are
+    soft-capped before the mask is added (Gemma 2's eager_attention_forward), or not (None).
 
     Sizes come in as Python ints, not read from the tensors, and the cache size is read
     from the shared bias: a traced tensor's size would become a Shape/Gather/Concat chain
@@ -68,11 +74,30 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Query head h reads KV head h // groups (HF repeat_kv order), so grouping the queries
     # is a free reshape, while repeating K/V would copy the cache.
     qg = q.reshape(1, kv_heads, -1, d)
-    s_past = torch.matmul(qg, past_k.transpose(-1, -2)) + bias[0]
-    s_new = torch.matmul(qg, k.transpose(-1, -2)) + bias[1]
+    s_past = soft_cap(torch.matmul(qg, past_k.transpose(-1, -2)), cap) + bias[0]
+    s_new = soft_cap(torch.matmul(qg, k.transpose(-1, -2)), cap) + bias[1]
     a = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
     out = torch.matmul(a[..., :capacity], past_v) + torch.matmul(a[..., capacity:], v)
     return out.reshape(1, heads, -1, d).transpose(1, 2).reshape(1, -1, heads * d)
+
+
+def portable_attention(qkv: torch.Tensor, rotary: tuple[torch.Tensor, ...],
+                       past_k: torch.Tensor, past_v: torch.Tensor,
+                       bias: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
+                       q_scale: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's attention over the cache from q|k|v [1, T, (H + 2 Hkv) D] of one
+    projection, unrotated: q and k rotated with `rotary` (graph/rotary.py `rotary_tables`),
+    then `cached_attention`. -> (output [1, T, H D], new K rows, new V rows [1, Hkv, T, D]).
+
+    q is either scaled already (the scale folded into its projection, which commutes with
+    the rotation) or scaled here by `q_scale` after the rotation."""
+    heads, kv_heads, d = shape
+    x = qkv.reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
+    qk = rotate(x[:, :heads + kv_heads], rotary)
+    k, v = qk[:, heads:], x[:, heads + kv_heads:]
+    q = qk[:, :heads] if q_scale == 1.0 else qk[:, :heads] * q_scale
+    return cached_attention(q, k, v, past_k, past_v, bias, shape), k, v
 
 
 class GroupQueryAttention(torch.autograd.Function):
@@ -96,18 +121,15 @@ class GroupQueryAttention(torch.autograd.Function):
                 kv_heads, scale, window=0):
         t = qkv.shape[1]
         d = qkv.shape[2] // (heads + 2 * kv_heads)
-        x = qkv.reshape(1, t, heads + 2 * kv_heads, d).transpose(1, 2)
         # Tables narrower than half a head rotate the first 2 x width dims only, as the
         # kernel does (partial rotary: Phi-3, StableLM).
         halves = torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions]
-        qk = rotate(x[:, :heads + kv_heads],
-                    partial_rotary_tables(*halves, 2 * cos.shape[-1], d))
-        k, v = qk[:, heads:], x[:, heads + kv_heads:]
+        tables = partial_rotary_tables(*halves, 2 * cos.shape[-1], d)
         past_length = int(total) - t
         bias = attention_bias(torch.tensor([past_length]), past_k.shape[2], t,
                               heads // kv_heads, qkv.dtype, window or None)
-        out = cached_attention(qk[:, :heads] * scale, k, v, past_k, past_v, bias,
-                               (heads, kv_heads, d))
+        out, k, v = portable_attention(qkv, tables, past_k, past_v, bias,
+                                       (heads, kv_heads, d), scale)
         present_k, present_v = past_k.clone(), past_v.clone()
         present_k[:, :, past_length:past_length + t] = k
         present_v[:, :, past_length:past_length + t] = v

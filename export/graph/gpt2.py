@@ -1,37 +1,56 @@
-"""GPT-2: learned positions, LayerNorm, fused qkv (Conv1D), portable attention only."""
+"""GPT-2: learned positions, LayerNorm, fused qkv (Conv1D), one KV head per query head, no
+rotary; portable attention only."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from specedge.export.graph.attention import attention_bias, cached_attention
-from specedge.export.graph.outputs import last_positions, lm_head
+from specedge.export.graph.attention import cached_attention
+from specedge.export.graph.decoder import Decoder, PortableInputs
 
 
-class GPT2Decoder(nn.Module):
-    """GPT-2: learned positions, fused QKV (Conv1D), LayerNorm, one KV head per query head."""
+class GPT2Decoder(Decoder):
+    """GPT-2 on the decoder skeleton: its own module names, positions and attention."""
 
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.transformer.h
 
-    def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
+    def prepare(self) -> None:
+        """Nothing to check or keep: no rotary."""
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         base = self.model.transformer
-        x = base.wte(input_ids) + base.wpe(position_ids)
-        bias = attention_bias(past_length, past[0].shape[2], input_ids.shape[1], 1, x.dtype)
-        presents = []
-        for i, block in enumerate(base.h):
-            attn = block.attn
-            q, k, v = attn.c_attn(block.ln_1(x)).split(attn.embed_dim, dim=2)
-            q, k, v = (z.reshape(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
-                       for z in (q, k, v))
-            scale = attn.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
-            if attn.scale_attn_by_inverse_layer_idx:
-                scale /= float(i + 1)
-            o = cached_attention(q * scale, k, v, past[2 * i], past[2 * i + 1], bias,
-                                 (attn.num_heads, attn.num_heads, attn.head_dim))
-            x = x + attn.c_proj(o)
-            x = x + block.mlp(block.ln_2(x))
-            presents += [k, v]
-        x = base.ln_f(last_positions(x, logits_to_keep))
-        return (lm_head(self.model, x), *presents)
+        return base.wte(input_ids) + base.wpe(position_ids)
+
+    def rotary(self, x: torch.Tensor, position_ids: torch.Tensor,
+               past_length: torch.Tensor) -> list[None]:
+        return [None] * len(self.layers)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer.ln_f(x)
+
+    @staticmethod
+    def attention_input(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer.ln_1(x)
+
+    @staticmethod
+    def attention(layer: nn.Module, h: torch.Tensor, past_k: torch.Tensor,
+                  past_v: torch.Tensor, inputs: PortableInputs
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v split from one projection; q scaled as transformers scales it (by
+        1/sqrt(head size) and, with `scale_attn_by_inverse_layer_idx`, 1/(layer + 1))."""
+        attn = layer.attn
+        q, k, v = attn.c_attn(h).split(attn.embed_dim, dim=2)
+        q, k, v = (z.reshape(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
+                   for z in (q, k, v))
+        o = cached_attention(q * attn.scaling, k, v, past_k, past_v, inputs.bias,
+                             (attn.num_heads, attn.num_heads, attn.head_dim))
+        return o, k, v
+
+    @staticmethod
+    def residual(layer: nn.Module, x: torch.Tensor, h: torch.Tensor,
+                 o: torch.Tensor) -> torch.Tensor:
+        x = x + layer.attn.c_proj(o)
+        return x + layer.mlp(layer.ln_2(x))

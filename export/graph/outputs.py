@@ -1,4 +1,5 @@
-"""What a decoder graph outputs: the logits of the last `logits_to_keep` positions only."""
+"""What a decoder graph outputs: the logits of the last `logits_to_keep` positions only, and
+for a target read by a feature draft, its features."""
 
 from __future__ import annotations
 
@@ -21,3 +22,18 @@ def lm_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     small = torch.nn.functional.linear(flat, model.lm_head.weight[head_ids])
     full = torch.full((flat.shape[0], model.config.vocab_size), float("-inf"))
     return full.scatter(1, head_ids.expand(flat.shape[0], -1), small).unsqueeze(0)
+
+
+def target_features(fuse: nn.Module | None, layer_outputs: list[torch.Tensor],
+                    final: torch.Tensor) -> torch.Tensor:
+    """The f_r a feature draft reads: the final norm's output, or with the draft's `fuse`,
+    fuse([rms(h^(a)); ...; final]) over the outputs of its `feature_layers`
+    (export/drafts/feature.py)."""
+    if fuse is None:
+        return final
+    return fuse(torch.cat([*map(_rms, layer_outputs), final], dim=-1))
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """Parameter-free RMS norm: earlier layers' outputs differ in scale from the final one."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

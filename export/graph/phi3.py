@@ -17,87 +17,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specedge.export.graph.attention import (
-    GroupQueryAttention,
-    attention_bias,
-    cached_attention,
-    gqa_lengths,
-)
+from specedge.export.graph.decoder import Decoder
 from specedge.export.graph.families import layer_windows
-from specedge.export.graph.outputs import last_positions, lm_head
-from specedge.export.graph.rotary import (
-    call_tables,
-    gqa_positions,
-    gqa_rotary_cache,
-    partial_rotary_tables,
-    rope_type,
-    rotary_dim,
-    rotate,
-)
 
 
-class Phi3Decoder(nn.Module):
-    """Phi-3 family: pre-norm blocks, fused q|k|v and gate|up projections, partial rotary.
-    `fused`: attention on GroupQueryAttention (attention.py)."""
+class Phi3Decoder(Decoder):
+    """Phi-3 family: the model's own q|k|v and gate|up projections, sliding windows where
+    the config has one (module docstring)."""
 
-    def __init__(self, model: nn.Module, fused: bool = False):
-        super().__init__()
-        self.model = model
-        self.fused = fused
-        cfg = model.config
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = model.model.layers[0].self_attn.head_dim
-        self.rotary_dim = rotary_dim(model.model.rotary_emb)
-        self.windows = layer_windows(cfg)
-        rope_type(model.model.rotary_emb)  # raises for a scaling the graph cannot match
-        if fused:
-            self.rotary_cache = gqa_rotary_cache(model.model.rotary_emb, cfg)
+    def sliding_windows(self) -> list[int | None]:
+        return layer_windows(self.model.config)
 
-    def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
-        base = self.model.model
-        x = base.embed_tokens(input_ids)
-        if self.fused:
-            lengths = gqa_lengths(past_length, input_ids)
-            rows = gqa_positions(base.rotary_emb, self.model.config, position_ids,
-                                 past_length)
-        else:
-            rotary = partial_rotary_tables(
-                *call_tables(base.rotary_emb, position_ids, past_length), self.rotary_dim,
-                self.head_dim)
-            # One mask per distinct window, shared by the layers that have it.
-            biases = {w: attention_bias(past_length, past[0].shape[2], input_ids.shape[1],
-                                        self.heads // self.kv_heads, x.dtype, w)
-                      for w in set(self.windows)}
-        presents = []
-        for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            if self.fused:
-                o, k, v = GroupQueryAttention.apply(
-                    attn.qkv_proj(h), past[2 * i], past[2 * i + 1], *lengths,
-                    *self.rotary_cache, rows, self.heads, self.kv_heads,
-                    float(attn.scaling), int(self.windows[i] or 0))
-            else:
-                o, k, v = self._attention(attn, h, rotary, past[2 * i], past[2 * i + 1],
-                                          biases[self.windows[i]])
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            presents += [k, v]
-        x = base.norm(last_positions(x, logits_to_keep))
-        return (lm_head(self.model, x), *presents)
-
-    def _attention(self, attn: nn.Module, h: torch.Tensor, rotary: tuple[torch.Tensor, ...],
-                   past_k: torch.Tensor, past_v: torch.Tensor,
-                   bias: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Portable attention: (output [1, T, H D], new K rows, new V rows). The attention
-        scale is folded into q's rows of the fused weight (it commutes with the rotation)."""
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+    @staticmethod
+    def qkv(layer: nn.Module, h: torch.Tensor, q_scale: float) -> torch.Tensor:
+        """The model's q|k|v projection, with `q_scale` folded into q's rows of its
+        weight."""
+        attn = layer.self_attn
+        if q_scale == 1.0:
+            return attn.qkv_proj(h)
         w = attn.qkv_proj.weight
-        weight = torch.cat([w[:heads * d] * attn.scaling, w[heads * d:]])
-        qkv = torch.nn.functional.linear(h, weight)
-        qkv = qkv.reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
-        qk = rotate(qkv[:, :heads + kv_heads], rotary)
-        k, v = qk[:, heads:], qkv[:, heads + kv_heads:]
-        o = cached_attention(qk[:, :heads], k, v, past_k, past_v, bias, (heads, kv_heads, d))
-        return o, k, v
+        q_rows = attn.config.num_attention_heads * attn.head_dim
+        return torch.nn.functional.linear(h, torch.cat([w[:q_rows] * q_scale, w[q_rows:]]))
+
+    @staticmethod
+    def residual(layer: nn.Module, x: torch.Tensor, h: torch.Tensor,
+                 o: torch.Tensor) -> torch.Tensor:
+        x = x + layer.self_attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))

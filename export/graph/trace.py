@@ -11,11 +11,11 @@ import onnx
 import torch
 from torch import nn
 
+from specedge.export.graph.decoder import Decoder
 from specedge.export.graph.families import (
     GEMMA_FAMILY,
     GPT2_FAMILY,
     LLAMA_FAMILY,
-    MORE_FAMILIES,
     SUPPORTED_ARCHITECTURES,
     fused_attention,
     model_dims,
@@ -35,6 +35,12 @@ OPSET = 21
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
 GRAPH_REVISION = 5
+# The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
+# family's hooks.
+DECODERS: dict[str, type[Decoder]] = {
+    **dict.fromkeys(LLAMA_FAMILY, LlamaFamilyDecoder), **dict.fromkeys(GPT2_FAMILY, GPT2Decoder),
+    **dict.fromkeys(GEMMA_FAMILY, GemmaDecoder), "phi3": Phi3Decoder, "granite": GraniteDecoder,
+    "olmo2": Olmo2Decoder, "stablelm": StableLmDecoder}
 
 
 def wrap(model: nn.Module, features: bool | nn.Module = False,
@@ -51,16 +57,8 @@ def wrap(model: nn.Module, features: bool | nn.Module = False,
                          f"{model_type!r}")
     if fused:
         fused_attention("fused", "", model.config)  # raises for models it cannot have
-    if model_type in LLAMA_FAMILY:
-        return LlamaFamilyDecoder(model, features, fused)
-    if model_type in GPT2_FAMILY:
-        return GPT2Decoder(model)
-    if model_type in GEMMA_FAMILY:
-        return GemmaDecoder(model)
-    if model_type in MORE_FAMILIES:
-        decoders = {"phi3": Phi3Decoder, "granite": GraniteDecoder, "olmo2": Olmo2Decoder,
-                    "stablelm": StableLmDecoder}
-        return decoders[model_type](model, fused)
+    if model_type in DECODERS:
+        return DECODERS[model_type](model, features, fused)
     raise ValueError(f"architecture {model_type!r} is not supported; supported: "
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 

@@ -10,10 +10,10 @@ tensorrt and cuda-python. The steps:
 2. check the machine: tensorrt importable and a supported version (10.x or 11.x), a GPU
    whose compute capability has the precision, and, on TensorRT 11, which takes precision
    from the graph's types, a graph in the precision asked;
-3. build (tensorrt/calls.py, the only code that calls TensorRT) each engine that is not
+3. build (tensorrt/engine_calls.py, the only code that calls TensorRT) each engine that is not
    up to date into a temporary file;
 4. move the engines into place and rewrite manifest.json with its `engines` entry, each
-   atomically (runtime/files.py), keeping everything else in the manifest.
+   atomically (runtime/atomic_files.py), keeping everything else in the manifest.
 """
 
 from __future__ import annotations
@@ -33,17 +33,17 @@ from specedge.export.tensorrt.plan import (
     is_up_to_date,
     plan_builds,
 )
+from specedge.runtime.atomic_files import atomic_write, temp_path
 from specedge.runtime.backends.engine_manifest import engine_record, gpu_identity, tensorrt_major
 from specedge.runtime.backends.engines import import_tensorrt
 from specedge.runtime.bundle import MANIFEST, load_bundle
-from specedge.runtime.files import atomic_write, temp_path
 
 
 def preflight(precision: str = "fp16") -> tuple[ModuleType, tuple[str, tuple[int, int]]]:
     """Everything about the machine a build needs, checked in seconds: (tensorrt, gpu).
 
     BackendUnavailableError for a TensorRT other than 10.x / 11.x: their Python APIs are the
-    ones tensorrt/calls.py is written for.
+    ones tensorrt/engine_calls.py is written for.
     """
     check_precision(precision)
     trt = import_tensorrt()
@@ -79,7 +79,7 @@ def build_engines(bundle_dir: str | Path, precision: str = "fp16",
     if cache.is_dir() or not cache.parent.is_dir():
         raise ValueError(f"--timing-cache {cache}: give a file in an existing folder")
     trt, gpu = preflight(precision)
-    from specedge.export.tensorrt import calls  # the only module that calls TensorRT
+    from specedge.export.tensorrt import engine_calls  # the only module that calls TensorRT
 
     version = trt.__version__
     for plan in plans:  # before any build: TensorRT 11 needs a graph in the precision asked
@@ -95,7 +95,7 @@ def build_engines(bundle_dir: str | Path, precision: str = "fp16",
                 continue
             tmp = temp_path(plan.engine)
             built[plan.role] = tmp
-            shape_inputs = calls.build_engine(trt, plan, tmp, cache)
+            shape_inputs = engine_calls.build_engine(trt, plan, tmp, cache)
             engines[plan.role] = engine_record(
                 plan.engine.name, tmp.stat().st_size, precision, plan.profiles, plan.capacity,
                 gpu, version, plan.onnx.name, plan.onnx_file_size, shape_inputs)

@@ -20,6 +20,21 @@ from specedge.runtime.errors import BackendUnavailableError
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "host-emulated")
 
 
+class Cache(Protocol):
+    """A model's KV cache as the loop sees it: rows [0, length) are valid, `capacity` rows
+    exist. Rollback is setting the length back (docs/design.md#kv-cache)."""
+
+    length: int
+    capacity: int
+
+    def rollback(self, length: int) -> None: ...
+
+    def grown(self, capacity: int) -> Cache:
+        """A copy with more rows, asked for between steps only of a backend whose
+        `grows_cache` is true (a host cache); other caches are sized once per
+        generation."""
+
+
 class Backend(Protocol):
     """What the loop and the drafters use of a backend."""
 
@@ -27,10 +42,13 @@ class Backend(Protocol):
     spec: ModelSpec
     run_seconds: float  # inside model execution, for the share of time outside models
     grows_cache: bool   # its caches may be swapped for `grown` ones between steps
+    # The last call's hidden features [T, H], read by a feature draft (bundles with feature
+    # I/O, which run on ort-cpu only).
+    features: np.ndarray | None
 
-    def new_cache(self, capacity: int): ...
+    def new_cache(self, capacity: int) -> Cache: ...
 
-    def forward(self, cache, token_ids: list[int] | np.ndarray,
+    def forward(self, cache: Cache, token_ids: list[int] | np.ndarray,
                 logits_to_keep: int = 1) -> np.ndarray: ...
 
 

@@ -7,7 +7,7 @@ One call of T tokens, in order (docs/design.md#kv-cache-contract-and-rollback):
        T new K/V rows into the arena's `presents` (plan: binding_plan)
     3. cache.write(T): strided copies of those rows to [length, length + T)
     4. download the kept logits (host sampling; the only device -> host copy of a step), or,
-       with `sampler` set (token_choice.DeviceChoice), leave them where they are
+       with `sampler` set (token_selection.DeviceSelector), leave them where they are
 Prompts longer than the engine's `max_tokens` are prefilled in chunks, which the graph
 supports as is: a chunk is a call with past_length > 0.
 """
@@ -27,6 +27,7 @@ from specedge.runtime.backends.device_kv_cache import (
 )
 from specedge.runtime.backends.engines import TensorBinding
 from specedge.runtime.bundle import ModelSpec, graph_io
+from specedge.runtime.kv_cache import check_call
 
 
 def binding_plan(spec: ModelSpec, cache: DeviceKVCache, t: int,
@@ -85,11 +86,7 @@ class DeviceBackend:
         """`forward` without the download: the logits stay at cache.address("logits")."""
         ids = np.asarray(token_ids, np.int64).reshape(-1)
         t = ids.size
-        if t == 0 or not 1 <= logits_to_keep <= t:
-            raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
-        if cache.length + t > cache.capacity:
-            raise ValueError(f"KV cache full: {cache.length + t} rows, capacity "
-                             f"{cache.capacity}")
+        check_call(cache, t, logits_to_keep)
         if logits_to_keep > cache.max_keep:
             raise ValueError(f"{logits_to_keep} logits per call exceed this engine's "
                              f"{cache.max_keep}: draft fewer tokens (or rebuild the engines "

@@ -23,6 +23,7 @@ import numpy as np
 
 from specedge.runtime.backends.memory import ALIGNMENT
 from specedge.runtime.bundle import ModelSpec
+from specedge.runtime.kv_cache import CacheRows, check_room
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,7 @@ def row_copies(spec: ModelSpec, layout: dict[str, Region], capacity: int, max_to
     """(dst, dst_pitch, src, src_pitch, width, height) offsets for `copy_2d` that store T
     new rows per tensor at rows [length, length + T). Present j (K of layer j // 2 for even
     j, V for odd) is packed [kv_heads, T, head_dim] at presents + j * its max size."""
-    if length + t > capacity:
-        raise ValueError(f"KV cache full: {length + t} rows needed, capacity {capacity}")
+    check_room(length, t, capacity)
     row = spec.head_dim * np.dtype(spec.dtype).itemsize
     stride = present_stride(spec, max_tokens)
     copies = []
@@ -117,17 +117,17 @@ def row_copies(spec: ModelSpec, layout: dict[str, Region], capacity: int, max_to
     return copies
 
 
-class DeviceKVCache:
+class DeviceKVCache(CacheRows):
     """Cache + step buffers in one device allocation; `length` rows are valid."""
 
     def __init__(self, memory, spec: ModelSpec, capacity: int, max_tokens: int,
                  max_keep: int):
+        super().__init__(capacity)
         self.memory, self.spec = memory, spec
-        self.capacity, self.max_tokens, self.max_keep = capacity, max_tokens, max_keep
+        self.max_tokens, self.max_keep = max_tokens, max_keep
         self.layout = arena_layout(spec, capacity, max_tokens, max_keep)
         self.base = memory.alloc(self.layout["total"].nbytes)
         self._free = weakref.finalize(self, memory.free, self.base)
-        self.length = 0
 
     def address(self, name: str) -> int:
         return self.base + self.layout[name].offset
@@ -146,12 +146,6 @@ class DeviceKVCache:
             self.memory.copy_2d(self.base + dst, dst_pitch, self.base + src, src_pitch,
                                 width, height)
         self.length += t
-
-    def rollback(self, length: int) -> None:
-        """Forget rows >= length (a rejected draft); O(1), the rows are masked, not cleared."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} rows")
-        self.length = length
 
     def close(self) -> None:
         self._free()

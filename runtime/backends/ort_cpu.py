@@ -10,7 +10,7 @@ import numpy as np
 
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE, ModelSpec
 from specedge.runtime.errors import BackendUnavailableError, BundleError
-from specedge.runtime.kv_cache import KVCache
+from specedge.runtime.kv_cache import KVCache, check_call
 
 MAX_KEPT_T = 16
 # The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
@@ -116,13 +116,9 @@ class OrtCpuBackend:
         A feature draft takes `features` [T, H]; a graph with feature output leaves its
         [T, H] in `self.features` (a view, valid as long as the logits)."""
         t = len(token_ids)
-        if t == 0 or not 1 <= logits_to_keep <= t:
-            raise ValueError(f"need 1 <= logits_to_keep ({logits_to_keep}) <= tokens ({t})")
+        check_call(cache, t, logits_to_keep)
         if self.spec.reads_features and (features is None or len(features) != t):
             raise ValueError(f"a feature draft needs features for each of the {t} tokens")
-        if cache.length + t > cache.capacity:
-            raise ValueError(f"KV cache full: {cache.length + t} rows, capacity "
-                             f"{cache.capacity}")
         if self._cache is not cache:
             self._cache, self._bindings = cache, {}
         # A one-token step as two rows, where the second row has room in the cache and a

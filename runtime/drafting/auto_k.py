@@ -38,7 +38,7 @@ one K less, than its choice. K follows measured times, so with `auto` a seed fix
 distribution but not the exact text of a sampled generation.
 
 `Histories.record` and `Histories.seed` carry these measurements from one process to the
-next through a file in the bundle (drafting/stored.py), so a new Generator drafts the K the
+next through a file in the bundle (drafting/auto_k_file.py), so a new Generator drafts the K the
 draft's known acceptance calls for from its first step. From the prior, two early misses
 held the SmolLM2 int4 feature draft at K = 0 (plain decoding) until the next probe, for
 most of a 96-token answer (docs/design.md#choosing-k-automatically).

@@ -14,7 +14,7 @@ class FeatureDrafter(ModelDrafter):
     r. With context x_0..x_{m-1}, f_0..f_{m-2} are known: the first draft step feeds the
     pairs the cache lacks up to r = m - 2 and predicts x_m; each later step feeds its own
     predicted feature with the token it drew. Rows built on predicted features are dropped
-    at rollback and rebuilt from the target's features at the next draft. Host choice only
+    at rollback and rebuilt from the target's features at the next draft. Host token choice only
     (the ort-cpu backend, which outputs features)."""
 
     needs_features = True

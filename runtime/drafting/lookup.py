@@ -29,6 +29,9 @@ class PromptLookupDrafter:
     def source(self, context: list[int]) -> str:
         return self.name
 
+    def observe(self, features: np.ndarray, start: int) -> None:
+        pass  # drafts from the context alone: no features
+
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], None]:
         """q is one-hot (certain), so `threshold` never cuts a lookup draft short."""

@@ -1,5 +1,5 @@
-"""A small draft model with its own KV cache, run one token at a time (the drafter
-protocol is in drafting/__init__.py)."""
+"""A small draft model with its own KV cache, run one token at a time (a `Drafter`,
+drafting/drafter.py)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,19 @@ import numpy as np
 
 from specedge.runtime.backends import Backend
 from specedge.runtime.config import Sampling
-from specedge.runtime.token_choice import choice_for
+from specedge.runtime.token_selection import selector_for
 
 
 class ModelDrafter:
-    """A small draft model with its own KV cache, run one token at a time; `choice` says
-    where its tokens and q rows are computed (token_choice.py)."""
+    """A small draft model with its own KV cache, run one token at a time; `selector` says
+    where its tokens and q rows are computed (token_selection.py)."""
 
     name = "model"
     needs_features = False
 
     def __init__(self, backend: Backend):
         self.backend = backend
-        self.choice = choice_for(backend)
+        self.selector = selector_for(backend)
         self.cache = None
         self.calls = 0
         self.caught_up = 0
@@ -28,10 +28,13 @@ class ModelDrafter:
         if self.cache is None or self.cache.capacity != capacity:
             self.cache = self.backend.new_cache(capacity)
         self.cache.rollback(0)
-        self.choice.run(self.backend, self.cache, prompt, 1)
+        self.selector.call_model(self.backend, self.cache, prompt, 1)
 
     def source(self, context: list[int]) -> str:
         return self.name
+
+    def observe(self, features: np.ndarray, start: int) -> None:
+        pass  # a token-only draft: no features (FeatureDrafter reads them)
 
     def propose(self, context: list[int], k: int, sampling: Sampling,
                 rng: np.random.Generator, threshold: float = 0.0) -> tuple[list[int], object]:
@@ -39,20 +42,20 @@ class ModelDrafter:
         for i in range(k):
             rows = self._catch_up(context) if i == 0 else self._next(ids[-1])
             self.calls += 1
-            x, q_x = self.choice.draw(rows, sampling, rng, q, threshold > 0)
+            x, q_x = self.selector.draw(rows, sampling, rng, q, threshold > 0)
             ids.append(x)
             if q_x < threshold:
                 break
-        return ids, self.choice.q(q)
+        return ids, self.selector.q(q)
 
     def _catch_up(self, context: list[int]):
         """The first draft step: the cache holds rows for a prefix of the context; the rest
         (1 or 2 tokens, more after lookup drafts) goes in with it."""
         self.caught_up = len(context) - self.cache.length
-        return self.choice.run(self.backend, self.cache, context[self.cache.length:], 1)
+        return self.selector.call_model(self.backend, self.cache, context[self.cache.length:], 1)
 
     def _next(self, token: int):
-        return self.choice.run(self.backend, self.cache, [token], 1)
+        return self.selector.call_model(self.backend, self.cache, [token], 1)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(min(length, self.cache.length))

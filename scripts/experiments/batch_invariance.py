@@ -304,7 +304,7 @@ def tiny_bundle(precision: str, attention: str, folder: Path) -> Path:
     """A tiny random Llama (hidden 64, the smallest GroupQueryAttention takes) as a bundle."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from specedge.export.bundle_writer import export_bundle
-    from tests.tiny_models import save_tiny
+    from specedge.gpu_check.tiny_checkpoints import save_tiny
 
     model = save_tiny(folder / "model", hidden_size=64, layers=2)
     out = folder / f"bundle-{precision}-{attention}"

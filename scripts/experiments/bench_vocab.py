@@ -1,8 +1,8 @@
-"""Host-side cost of one speculative step's token choice at large vocabularies, against the
+"""Host-side cost of one speculative step's token selector at large vocabularies, against the
 LM head call alone.
 
 With K draft tokens a step chooses tokens from K draft rows and K + 1 target rows on the
-host (runtime/token_choice.py HostChoice: `draw` per draft row, then `verify`).
+host (runtime/token_selection.py HostSelector: `draw` per draft row, then `verify`).
 That work grows with V like the head call does; this measures whether it stays small next
 to it.
 
@@ -50,7 +50,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from specedge.runtime.config import Sampling
-from specedge.runtime.token_choice import HostChoice
+from specedge.runtime.token_selection import HostSelector
 
 MODES = {"greedy": Sampling(0.0), "T0.8": Sampling(0.8), "T0.8 top_p 0.95": Sampling(0.8, 0, 0.95),
          "T0.8 top_k 50": Sampling(0.8, 50)}
@@ -106,14 +106,14 @@ def _external(array: np.ndarray, name: str, path: Path) -> TensorProto:
     return tensor
 
 
-def host_step(choice: HostChoice, sampling: Sampling, draft: np.ndarray, target: np.ndarray,
+def host_step(selector: HostSelector, sampling: Sampling, draft: np.ndarray, target: np.ndarray,
               rng: np.random.Generator) -> int:
-    """One step's host token choice, as the loop makes it: K draws, one verification."""
+    """One step's host token selector, as the loop makes it: K draws, one verification."""
     q, drafts = [], []
     for row in draft:
-        x, _ = choice.draw(row[None], sampling, rng, q, False)
+        x, _ = selector.draw(row[None], sampling, rng, q, False)
         drafts.append(x)
-    n, _ = choice.verify(target, drafts, choice.q(q), sampling, rng)
+    n, _ = selector.verify(target, drafts, selector.q(q), sampling, rng)
     return n
 
 
@@ -133,7 +133,7 @@ def main() -> None:
         return
     args.out = args.out or Path("bench_results/vocab.json")
     rng = np.random.default_rng(0)
-    choice = HostChoice()
+    selector = HostSelector()
     heads = {(h, t): f"{h} T={t}" for h in ("fp32", "int4") for t in (1, args.k + 1)}
     times: dict[int, dict[str, list[float]]] = {}
     rows, sessions = {}, {}
@@ -152,7 +152,7 @@ def main() -> None:
             for (h, t) in heads:
                 sessions[v, h].run(None, {"x": inputs[t]})
             for sampling in MODES.values():
-                host_step(choice, sampling, *rows[v], rng)
+                host_step(selector, sampling, *rows[v], rng)
         for _ in range(args.runs):
             for v in args.vocabs:
                 for (h, t), name in heads.items():
@@ -163,11 +163,11 @@ def main() -> None:
                     sessions[v, "int4"].run(None, {"x": inputs[1]})
                     for when in ("after call", "warm"):
                         t0 = time.perf_counter()
-                        n = host_step(choice, sampling, *rows[v], rng)
+                        n = host_step(selector, sampling, *rows[v], rng)
                         times[v][f"{mode} {when}"].append(time.perf_counter() - t0)
                         assert n == args.k, "equal draft and target rows accept every draft"
         if args.profile:
-            profile(choice, rows[max(args.vocabs)], rng)
+            profile(selector, rows[max(args.vocabs)], rng)
 
     ms = {v: {name: 1000 * statistics.median(ts) for name, ts in by.items()}
           for v, by in times.items()}
@@ -222,7 +222,7 @@ def bench_bundles(bundles: list[Path], runs: int, out: Path) -> None:
     print(f"wrote {out}")
 
 
-def profile(choice: HostChoice, rows: tuple[np.ndarray, np.ndarray],
+def profile(selector: HostSelector, rows: tuple[np.ndarray, np.ndarray],
             rng: np.random.Generator) -> None:
     for mode, sampling in MODES.items():
         if sampling.greedy:
@@ -230,7 +230,7 @@ def profile(choice: HostChoice, rows: tuple[np.ndarray, np.ndarray],
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(20):
-            host_step(choice, sampling, *rows, rng)
+            host_step(selector, sampling, *rows, rng)
         prof.disable()
         print(f"--- {mode}, V = {rows[1].shape[1]}, 20 steps")
         pstats.Stats(prof).sort_stats("tottime").print_stats(8)

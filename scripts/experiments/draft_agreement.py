@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from specedge.export.distill.config import DistillConfig
 from specedge.export.distill.data import add_layer_features, generate_shard
-from specedge.export.distill.folder import load_draft
+from specedge.export.distill.draft_folder import load_draft
 from specedge.export.distill.losses import feature_loss
 from specedge.export.sources import load_model
 from specedge.prompts import load_prompts

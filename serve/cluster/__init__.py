@@ -1,155 +1,23 @@
-"""The same OpenAI app on a Ray Serve cluster of devices: one replica per device.
+"""The same OpenAI app on a Ray Serve cluster of devices: one replica per device
+(docs/cluster.md). The only package that imports ray (the `ray` extra).
 
-Two deployments make the application (docs/cluster.md):
-
-- `GeneratorReplica`: one Generator on one device. `max_ongoing_requests=1` (a Generator
-  serves one sequence at a time), and a custom resource (`edge_device` by default) that
-  each device node offers once, so each node hosts one replica. Its `generate` streams a
-  request's text pieces; every speculative step runs on the replica's one step thread, off
-  the event loop, so a cancellation (the client went away) lands between two steps: the
-  generation then ends after the step in progress and the Generator is free for the next
-  request. `check_health` runs a one-token step when the replica is idle, and checks that
-  tokens keep coming when it is busy.
-- `Ingress`: the app of `specedge serve` (app.build_app), with a `RayEngine` in place of the
-  local worker: it parses and checks requests, applies the chat template with the bundle's
-  tokenizer (no model sessions), frames SSE, and calls the replicas through a streaming
-  DeploymentHandle. Requests wait for a free replica in the handle's queue, capped by
-  `max_queued_requests` (--max-queue): past it they get 429 with Retry-After, the shape
-  `specedge serve` answers.
-
-Run it with `specedge serve --bundle B --ray ADDRESS` (cli.py), or with Ray's own tools:
-`serve run specedge.serve.cluster:app_builder bundle=B replicas=2`, or a `serve deploy`
-config whose import_path is `specedge.serve.cluster:app_builder` (args: the names of
-`ServerSettings` and `ClusterSettings`).
+`application.py` makes the application of two deployments, `replica.py`'s
+`GeneratorReplica` (one Generator on one device) and `ingress.py`'s `Ingress` (the app of
+`specedge serve` calling the replicas), and deploys it. Run it with `specedge serve --bundle
+B --ray ADDRESS`, or with Ray's own tools: `serve run specedge.serve.cluster:app_builder
+bundle=B replicas=2`, or a `serve deploy` config whose import_path is
+`specedge.serve.cluster:app_builder`.
 """
 
-from __future__ import annotations
-
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
-
-import ray
-from ray import serve
-
-from specedge.runtime.cli import draft_tokens_arg
-from specedge.serve.app import ServerSettings
+from specedge.serve.cluster.application import (
+    APP_NAME,
+    ClusterSettings,
+    app_builder,
+    build_cluster_app,
+    run_cluster,
+)
 from specedge.serve.cluster.ingress import BundleText, Ingress, RayEngine
 from specedge.serve.cluster.replica import GeneratorReplica, ReplicaMetrics
 
 __all__ = ["APP_NAME", "BundleText", "ClusterSettings", "GeneratorReplica", "Ingress",
            "RayEngine", "ReplicaMetrics", "app_builder", "build_cluster_app", "run_cluster"]
-
-log = logging.getLogger("specedge.serve")
-
-APP_NAME = "specedge"
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    """How the app spreads over the cluster (`specedge serve --ray` flags)."""
-
-    min_replicas: int = 1
-    max_replicas: int = 1                # more than min: autoscaling on ongoing requests
-    # Seconds the load must stay above (below) one ongoing request per replica before a
-    # replica is added (removed): Ray Serve's defaults. A replica costs a bundle load and a
-    # device, so neither follows a short burst.
-    upscale_delay: float = 30.0
-    downscale_delay: float = 600.0
-    device_resource: str = "edge_device"  # the custom resource each device node offers once
-    ingress_max_ongoing: int = 1024      # requests one ingress replica holds at a time
-    health_check_period: float = 10.0    # seconds between replica health checks
-    health_check_timeout: float = 30.0
-
-    def check(self) -> None:
-        if self.min_replicas < 1 or self.max_replicas < self.min_replicas:
-            raise ValueError(f"replicas: need 1 <= min ({self.min_replicas}) <= max "
-                             f"({self.max_replicas})")
-        if self.upscale_delay < 0 or self.downscale_delay < 0:
-            raise ValueError(f"scaling delays must be >= 0 seconds (up {self.upscale_delay:g}, "
-                             f"down {self.downscale_delay:g})")
-
-
-def build_cluster_app(settings: ServerSettings, cluster: ClusterSettings):
-    """The Ray Serve application: the ingress, and the replicas it calls."""
-    cluster.check()
-    device = {"resources": {cluster.device_resource: 1}, "num_cpus": 0}
-    if settings.backend in ("ort-cuda", "tensorrt"):
-        device["num_gpus"] = 1
-    if cluster.min_replicas == cluster.max_replicas:
-        scaling: dict[str, Any] = {"num_replicas": cluster.min_replicas}
-    else:
-        scaling = {"autoscaling_config": {
-            "min_replicas": cluster.min_replicas, "max_replicas": cluster.max_replicas,
-            "target_ongoing_requests": 1, "upscale_delay_s": cluster.upscale_delay,
-            "downscale_delay_s": cluster.downscale_delay}}
-    replica = serve.deployment(
-        GeneratorReplica, name="GeneratorReplica", max_ongoing_requests=1,
-        max_queued_requests=settings.max_queue, ray_actor_options=device,
-        health_check_period_s=cluster.health_check_period,
-        health_check_timeout_s=cluster.health_check_timeout,
-        graceful_shutdown_timeout_s=settings.shutdown_timeout, **scaling)
-    ingress = serve.deployment(
-        serve.ingress()(Ingress), name="Ingress", num_replicas=1,
-        max_ongoing_requests=cluster.ingress_max_ongoing,
-        ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=settings.shutdown_timeout)
-    return ingress.bind(replica.bind(settings), settings)
-
-
-def app_builder(args: dict[str, str]):
-    """The entry point of `serve run specedge.serve.cluster:app_builder bundle=B ...` and of
-    a `serve deploy` config: `args` name ServerSettings' and ClusterSettings' fields, and
-    `replicas` sets both min_replicas and max_replicas."""
-    args = dict(args)
-    if "bundle" not in args:
-        raise ValueError("give the bundle: serve run specedge.serve.cluster:app_builder "
-                         "bundle=/path/to/bundle")
-    if "replicas" in args:
-        args["min_replicas"] = args["max_replicas"] = args.pop("replicas")
-    return build_cluster_app(_settings(ServerSettings, args), _settings(ClusterSettings, args))
-
-
-def _settings(kind, args: dict[str, str]):
-    """The fields of `kind` given in `args` (strings from the command line, or YAML values),
-    converted to each field's type; unknown names are an error."""
-    known = {f.name: f for f in fields(kind)}
-    values = {}
-    for name in [n for n in args if n in known]:
-        value, default = args[name], known[name].default
-        if isinstance(value, str):
-            if name == "threads":
-                value = int(value)
-            elif name == "draft_tokens":
-                value = draft_tokens_arg(value)
-            elif isinstance(default, (int, float)):
-                value = type(default)(value)
-        values[name] = value
-    unknown = set(args) - {f.name for f in fields(ServerSettings)} \
-        - {f.name for f in fields(ClusterSettings)}
-    if unknown:
-        raise ValueError(f"unknown arguments {sorted(unknown)}; known: "
-                         f"{sorted(f.name for f in fields(ServerSettings))} and "
-                         f"{sorted(f.name for f in fields(ClusterSettings))}")
-    return kind(**values)
-
-
-def run_cluster(address: str, settings: ServerSettings, cluster: ClusterSettings,
-                host: str, port: int, wait: Callable[[], None],
-                proxy_location: str = "EveryNode") -> None:
-    """Connect to the Ray cluster at `address`, deploy the app with HTTP on host:port (Ray
-    Serve's proxy; where Serve already runs on the cluster, its proxy keeps its own
-    address), block in `wait`, and take the app down after it returns, and Serve with it
-    when no other application is left."""
-    ray.init(address=address, logging_level=logging.WARNING)
-    serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
-    serve.run(build_cluster_app(settings, cluster), name=APP_NAME, route_prefix="/")
-    log.info("serving %s at http://%s:%d on Ray cluster %s", settings.name, host, port,
-             address)
-    try:
-        wait()
-    finally:
-        serve.delete(APP_NAME)
-        if not set(serve.status().applications) - {APP_NAME}:  # Serve ran for this app alone
-            serve.shutdown()

@@ -63,8 +63,8 @@ class RayEngine:
         self.withdraw_all("shutdown")
 
     async def submit(self, ids: list[int], config: GenerationConfig) -> Job:
-        job = Job({}, asyncio.get_running_loop())
-        stream = self.replica.generate.remote(ids, config)
+        job = Job(ids, config, asyncio.get_running_loop())
+        stream = self.replica.generate.remote(job.prompt_ids, job.config)
         taken = asyncio.ensure_future(self._taken(job, stream))
         try:
             wait = min(self.settings.keepalive, self.settings.request_timeout)

@@ -143,7 +143,7 @@ def test_systems_take_turns_prompt_by_prompt():
 
 
 def test_perplexity_of_known_distributions():
-    from specedge.runtime.stats import perplexity
+    from specedge.bench.perplexity import perplexity
 
     ids = [0, 1, 2, 3]
     assert perplexity(np.zeros((4, 7)), ids) == pytest.approx(7.0)  # uniform over 7

@@ -1,4 +1,4 @@
-"""scripts/bench_cluster.py's pieces that need no cluster: how it names a Ray node's
+"""scripts/experiments/bench_cluster.py's pieces that need no cluster: how it names a Ray node's
 processes, what it counts as a process's memory, and its memory report."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
 
 from bench_cluster import process_name, process_rss, table  # noqa: E402
 

@@ -1,6 +1,7 @@
-"""scripts/bench_serve.py: its timings and prompt choice, and the whole script on the tiny bundle
-(`specedge serve` and the in-process Generator measured and reported, llama.cpp left out).
-No timing is asserted: only that every figure is there, positive and consistent."""
+"""scripts/experiments/bench_serve.py: its timings and prompt choice, and the whole script on
+the tiny bundle (`specedge serve` and the in-process Generator measured and reported,
+llama.cpp left out). No timing is asserted: only that every figure is there, positive and
+consistent."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
 
 import bench_serve  # noqa: E402
 from bench_serve import (  # noqa: E402

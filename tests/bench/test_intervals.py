@@ -36,7 +36,7 @@ def test_ratio_ci_uses_the_normal_quantile_past_30_degrees_of_freedom():
 
 
 def test_the_serve_bench_uses_the_same_function(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "experiments"))
     import bench_serve
 
     assert bench_serve.ratio_ci is ratio_ci

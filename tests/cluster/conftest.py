@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve.conftest import free_port
+from server_process import free_port
 from tiny_models import export_slow_bundle
 
 

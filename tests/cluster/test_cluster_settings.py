@@ -12,7 +12,8 @@ import pytest
 from specedge.runtime import Generator
 from specedge.runtime.config import GenerationConfig
 from specedge.serve.app import ServerSettings
-from specedge.serve.cluster import BundleText, ClusterSettings, _settings, app_builder
+from specedge.serve.cluster import BundleText, ClusterSettings, app_builder
+from specedge.serve.cluster.application import _settings
 
 MESSAGES = [[{"role": "user", "content": "hello world"}],
             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a, b!"}],

@@ -8,7 +8,7 @@ import json
 
 from specedge.cli import main
 from specedge.runtime import Generator
-from specedge.runtime.drafting import stored
+from specedge.runtime.drafting import auto_k_file
 
 
 def export(capsys, checkpoint, out, *args) -> dict:
@@ -21,7 +21,7 @@ def test_export_stores_the_drafts_measurements(tiny_checkpoints, tmp_path, capsy
     out = tmp_path / "b"
     said = export(capsys, tiny_checkpoints["llama"], out, "--draft-layers", "1",
                   "--measure-prompts", "3")
-    path = out / stored.FILE
+    path = out / auto_k_file.FILE
     assert said["auto_k"] == str(path)
     record = json.loads(path.read_text())
     # The default drafter's sources, greedy, counted over the three prompts' steps.
@@ -30,7 +30,7 @@ def test_export_stores_the_drafts_measurements(tiny_checkpoints, tmp_path, capsy
     model = next(e for e in record["acceptance"] if e["source"] == "lookup+model/model")
     assert model["steps"] > 3 and model["tries"][0] > 0
     (machine,) = record["machines"]
-    assert machine["machine"] == stored.machine_of("ort-cpu", None)
+    assert machine["machine"] == auto_k_file.machine_of("ort-cpu", None)
     assert machine["written_by"] == "specedge export"
     assert {e["tokens"] for e in machine["verify_seconds"]} >= {1, 2}
     # A Generator on this machine starts from all of it.
@@ -52,4 +52,4 @@ def test_export_stores_the_drafts_measurements(tiny_checkpoints, tmp_path, capsy
 def test_no_draft_no_measurement(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "b"
     said = export(capsys, tiny_checkpoints["llama"], out)
-    assert "auto_k" not in said and not (out / stored.FILE).exists()
+    assert "auto_k" not in said and not (out / auto_k_file.FILE).exists()

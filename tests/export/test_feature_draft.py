@@ -9,10 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from two_sample import two_sample_pvalue
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.export.distill.folder import DRAFT_META, DRAFT_WEIGHTS
+from specedge.export.distill.draft_folder import DRAFT_META, DRAFT_WEIGHTS
+from specedge.gpu_check.two_sample import two_sample_pvalue
 from specedge.runtime import Generator
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import MANIFEST, load_bundle
@@ -286,7 +286,7 @@ def test_a_new_layered_draft_reads_what_a_plain_one_does(tiny_checkpoints):
     import torch
 
     from specedge.export.drafts.feature import FeatureDraft
-    from specedge.export.graph.llama import target_features
+    from specedge.export.graph.outputs import target_features
     from specedge.export.sources import load_model
 
     target, _ = load_model(tiny_checkpoints["llama"])

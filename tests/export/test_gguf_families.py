@@ -1,5 +1,5 @@
 """A GGUF file of every exported family that transformers reads from GGUF exports: a tiny
-random model, written as GGUF by bench/gguf_file.py the way llama.cpp writes it,
+random model, written as GGUF by export/gguf_writer.py the way llama.cpp writes it,
 loads back in transformers with the same logits, and `specedge export FILE.gguf --verify`
 gives a bundle whose greedy decoding is transformers' (on the original model).
 
@@ -28,8 +28,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-from specedge.bench.gguf_file import GGUF_ARCHITECTURES, write_gguf
 from specedge.export.bundle_writer import export_bundle
+from specedge.export.gguf_writer import GGUF_ARCHITECTURES, write_gguf
 from specedge.export.graph.families import SUPPORTED_ARCHITECTURES
 from specedge.runtime import Generator
 

@@ -17,9 +17,9 @@ from test_gguf_families import NEW_TOKENS, PROMPT, bpe_tokenizer
 from tiny_models import BOS, EOS, VOCAB, _rare_eos, tiny_model, tiny_more
 from transformers import AutoModelForCausalLM
 
-from specedge.bench.gguf_file import write_gguf
 from specedge.export.bundle_writer import export_bundle
 from specedge.export.gguf_config import complete_config, llama3_rope
+from specedge.export.gguf_writer import write_gguf
 from specedge.export.sources import resolve_checkpoint
 from specedge.runtime import Generator
 

@@ -3,7 +3,7 @@
 Everything around the TensorRT calls is tested here: profiles, argument checks, the manifest's
 `engines` entry, compatibility checks, profile choice, the build's orchestration (with the
 TensorRT step replaced by a fake that writes bytes), the TensorRT versions accepted, and the
-CLI when TensorRT is missing. export/tensorrt/calls.py runs against strict stand-ins for the
+CLI when TensorRT is missing. export/tensorrt/engine_calls.py runs against strict stand-ins for the
 TensorRT 10 and 11 bindings; its TensorRT calls themselves run only on a CUDA machine.
 """
 
@@ -23,7 +23,7 @@ import pytest
 from test_cli import assert_one_line_error, call_main
 
 from specedge.export.tensorrt import build as trt_build
-from specedge.export.tensorrt import calls as trt_calls
+from specedge.export.tensorrt import engine_calls as trt_calls
 from specedge.export.tensorrt.build import build_engines
 from specedge.export.tensorrt.calls import pins_fp32
 from specedge.export.tensorrt.plan import (
@@ -622,7 +622,7 @@ def test_cli_export_tensorrt_fails_before_exporting(capsys, tiny_checkpoints, tm
     def no_export(*args, **kwargs):
         raise AssertionError("exported although TensorRT is missing")
 
-    monkeypatch.setattr(bundle_writer, "export_bundle", no_export)
+    monkeypatch.setattr(bundle_writer, "write_bundle", no_export)
     out = tmp_path / "bundle"
     code, stdout, err = call_main(capsys, "export", tiny_checkpoints["llama"], "--out", out,
                                   "--backend", "tensorrt")
@@ -635,7 +635,7 @@ def test_cli_export_tensorrt_fails_before_exporting(capsys, tiny_checkpoints, tm
     assert not out.exists()
 
 
-# ---- tensorrt/calls.py against strict stand-ins for the TensorRT 10 and 11 bindings -------
+# ---- tensorrt/engine_calls.py against strict stand-ins for the TensorRT 10 and 11 bindings -------
 # The stand-ins check what the real pybind11 bindings check (NVIDIA/TensorRT
 # python/src/infer/pyCore.cpp, pyGraph.cpp, python/src/parsers/pyOnnx.cpp at v10.3.0 and
 # v11.0): argument types and order (a wrong one is a TypeError), None / False where the C++
@@ -1125,7 +1125,7 @@ def set_graph_precision(bundle: Path, precision: str) -> None:
 @pytest.fixture
 def strict_trt(monkeypatch):
     """`specedge build` on this machine with TensorRT replaced by a strict stand-in of the
-    version `use(version)` selects; calls.py runs for real against it."""
+    version `use(version)` selects; engine_calls.py runs for real against it."""
     monkeypatch.setattr(trt_build, "gpu_identity", lambda: GPU)
     chosen = {}
 
@@ -1173,7 +1173,7 @@ def test_cli_build_tensorrt_11_fp16_needs_an_fp16_graph(capsys, bundle, strict_t
     ("10.16.1", "bf16", "fp32")])
 def test_cli_build_with_strict_tensorrt(capsys, bundle, strict_trt, version, precision,
                                         graph):
-    """The whole build, calls.py included, against the stand-in of each major version."""
+    """The whole build, engine_calls.py included, against the stand-in of each major version."""
     set_graph_precision(bundle, graph)
     _, calls = strict_trt(version)
     code, out, err = call_main(capsys, "build", "--bundle", bundle, "--precision", precision)

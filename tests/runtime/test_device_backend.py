@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from two_sample import first_two_tokens, two_sample_pvalue
 
+from specedge.gpu_check.two_sample import first_two_tokens, two_sample_pvalue
 from specedge.runtime import Generator
 from specedge.runtime.backends import load_backend
 from specedge.runtime.backends.device import DeviceBackend, binding_plan

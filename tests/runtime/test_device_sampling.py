@@ -1,6 +1,6 @@
 """The on-device sampling kernels compile (NVRTC, no GPU needed), are cached, and fail clearly.
 
-Running them needs a GPU: scripts/gpu_check_sampling.py compares them with the host
+Running them needs a GPU: specedge/gpu_check/sampling.py compares them with the host
 reference there. Here (cuda-python and NVRTC from the [cuda] extra, which scripts/test.sh
 installs): the shipped source compiles to PTX with every kernel in it, a compile error
 carries NVRTC's log, a missing cuda-python says what to install, the compiled image is
@@ -22,48 +22,48 @@ import pytest
 from scipy.stats import chisquare
 
 from specedge.runtime import backends
-from specedge.runtime.backends import device_sampling, gpu_info
+from specedge.runtime.backends import device_sampling, gpu_info, sampling_kernels
 from specedge.runtime.backends.memory import HostMemory
 from specedge.runtime.errors import BackendUnavailableError
 
 
 @pytest.fixture(scope="module")
 def ptx() -> str:
-    return device_sampling.compile_sampling_kernels().decode()
+    return sampling_kernels.compile_sampling_kernels().decode()
 
 
 def test_kernels_compile_to_ptx(ptx):
     assert ".target sm_90" in ptx
-    for name in device_sampling.KERNELS:
+    for name in sampling_kernels.KERNELS:
         assert f".entry {name}(" in ptx, name
 
 
 def test_block_size_matches_launch_bounds(ptx):
     # Every launch uses THREADS; the kernels' __launch_bounds__ must allow it.
-    assert ptx.count(f".maxntid {device_sampling.THREADS}, 1, 1") == len(device_sampling.KERNELS)
+    assert ptx.count(f".maxntid {device_sampling.THREADS}, 1, 1") == len(sampling_kernels.KERNELS)
 
 
 def test_cubin_for_a_device_arch():
-    assert device_sampling.compile_sampling_kernels("sm_87").startswith(b"\x7fELF")
+    assert sampling_kernels.compile_sampling_kernels("sm_87").startswith(b"\x7fELF")
 
 
 def test_compile_error_carries_the_log():
     broken = 'extern "C" __global__ void k(int* out) { out[0] = undeclared_name; }'
     with pytest.raises(RuntimeError, match="undeclared_name") as info:
-        device_sampling._compile(broken, "compute_90", name="broken.cu")
+        sampling_kernels._compile(broken, "compute_90", name="broken.cu")
     assert "broken.cu" in str(info.value) and "NVRTC_ERROR_COMPILATION" in str(info.value)
 
 
 def test_bad_arch_is_a_value_error():
     with pytest.raises(ValueError, match="sm_90"):
-        device_sampling.compile_sampling_kernels("hopper")
+        sampling_kernels.compile_sampling_kernels("hopper")
 
 
 def test_missing_cuda_python_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # import now fails
     major = int(importlib.import_module("cuda.bindings").__version__.split(".")[0])
     with pytest.raises(BackendUnavailableError, match=rf"pip install 'specedge\[cuda{major}\]'"):
-        device_sampling.compile_sampling_kernels()
+        sampling_kernels.compile_sampling_kernels()
 
 
 def test_missing_nvrtc_library_says_what_to_install(monkeypatch):
@@ -74,16 +74,16 @@ def test_missing_nvrtc_library_says_what_to_install(monkeypatch):
 
     monkeypatch.setattr(nvrtc, "nvrtcVersion", no_library)
     with pytest.raises(BackendUnavailableError, match="libnvrtc.so.13 not found"):
-        device_sampling.compile_sampling_kernels()
+        sampling_kernels.compile_sampling_kernels()
 
 
 def test_device_arch_choice():
     supported = [75, 80, 86, 87, 89, 90, 100, 120]
-    assert device_sampling._pick_arch(9, 0, supported) == "sm_90"
-    assert device_sampling._pick_arch(8, 7, supported) == "sm_87"
-    assert device_sampling._pick_arch(12, 1, supported) == "compute_120"  # newer GPU: PTX
+    assert sampling_kernels._pick_arch(9, 0, supported) == "sm_90"
+    assert sampling_kernels._pick_arch(8, 7, supported) == "sm_87"
+    assert sampling_kernels._pick_arch(12, 1, supported) == "compute_120"  # newer GPU: PTX
     with pytest.raises(BackendUnavailableError):
-        device_sampling._pick_arch(7, 0, supported)
+        sampling_kernels._pick_arch(7, 0, supported)
 
 
 def test_host_memory_is_refused():
@@ -145,13 +145,13 @@ def fake_image(source: str, arch: str, name: str = "sampling.cu") -> bytes:
 def compiles(monkeypatch) -> list[str]:
     """The arch of every NVRTC compile; the real compiler still runs."""
     calls: list[str] = []
-    real = device_sampling._compile
+    real = sampling_kernels._compile
 
     def counting(source, arch, name="sampling.cu"):
         calls.append(arch)
         return real(source, arch, name)
 
-    monkeypatch.setattr(device_sampling, "_compile", counting)
+    monkeypatch.setattr(sampling_kernels, "_compile", counting)
     return calls
 
 
@@ -164,29 +164,29 @@ def fake_compiles(monkeypatch) -> list[str]:
         calls.append(arch)
         return fake_image(source, arch, name)
 
-    monkeypatch.setattr(device_sampling, "_compile", fake)
+    monkeypatch.setattr(sampling_kernels, "_compile", fake)
     return calls
 
 
 def test_second_load_does_not_compile(tmp_path, compiles):
-    first = device_sampling.kernel_image("sm_87", tmp_path)
-    second = device_sampling.kernel_image("sm_87", tmp_path)
+    first = sampling_kernels.kernel_image("sm_87", tmp_path)
+    second = sampling_kernels.kernel_image("sm_87", tmp_path)
     assert compiles == ["sm_87"]
     assert second == first and first.startswith(b"\x7fELF")
     assert [p.suffix for p in tmp_path.iterdir()] == [".cubin"]  # no temporary file left
 
 
 def test_cache_key_is_arch_source_and_nvrtc_version(tmp_path, fake_compiles, monkeypatch):
-    device_sampling.kernel_image("sm_87", tmp_path)
-    device_sampling.kernel_image("sm_89", tmp_path)
+    sampling_kernels.kernel_image("sm_87", tmp_path)
+    sampling_kernels.kernel_image("sm_89", tmp_path)
     assert fake_compiles == ["sm_87", "sm_89"]
-    source = device_sampling.kernel_source()
-    monkeypatch.setattr(device_sampling, "kernel_source", lambda: source + "\n// edited\n")
-    device_sampling.kernel_image("sm_87", tmp_path)
+    source = sampling_kernels.kernel_source()
+    monkeypatch.setattr(sampling_kernels, "kernel_source", lambda: source + "\n// edited\n")
+    sampling_kernels.kernel_image("sm_87", tmp_path)
     assert fake_compiles[-1] == "sm_87" and len(fake_compiles) == 3
     nvrtc = importlib.import_module("cuda.bindings.nvrtc")
     monkeypatch.setattr(nvrtc, "nvrtcVersion", lambda: (nvrtc.nvrtcResult.NVRTC_SUCCESS, 99, 1))
-    device_sampling.kernel_image("sm_87", tmp_path)
+    sampling_kernels.kernel_image("sm_87", tmp_path)
     assert len(fake_compiles) == 4 and len(list(tmp_path.iterdir())) == 4
     assert any("nvrtc99.1" in p.name for p in tmp_path.iterdir())
 
@@ -198,11 +198,11 @@ def test_cache_key_is_arch_source_and_nvrtc_version(tmp_path, fake_compiles, mon
     lambda data: b"",
 ])
 def test_corrupt_entry_is_compiled_again_and_replaced(tmp_path, fake_compiles, damage):
-    image = device_sampling.kernel_image("sm_87", tmp_path)
+    image = sampling_kernels.kernel_image("sm_87", tmp_path)
     (entry,) = tmp_path.iterdir()
     good = entry.read_bytes()
     entry.write_bytes(damage(good))
-    assert device_sampling.kernel_image("sm_87", tmp_path) == image
+    assert sampling_kernels.kernel_image("sm_87", tmp_path) == image
     assert fake_compiles == ["sm_87", "sm_87"]  # compiled again, not read
     assert entry.read_bytes() == good
 
@@ -211,8 +211,8 @@ def test_unwritable_cache_warns_and_still_returns_the_image(tmp_path, fake_compi
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     with pytest.warns(UserWarning, match="could not cache the compiled sampling kernels"):
-        image = device_sampling.kernel_image("sm_87", blocker / "kernels")
-    assert image == fake_image(device_sampling.kernel_source(), "sm_87")
+        image = sampling_kernels.kernel_image("sm_87", blocker / "kernels")
+    assert image == fake_image(sampling_kernels.kernel_source(), "sm_87")
 
 
 def test_entry_appears_only_complete(tmp_path, fake_compiles, monkeypatch):
@@ -221,17 +221,17 @@ def test_entry_appears_only_complete(tmp_path, fake_compiles, monkeypatch):
     def no_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(device_sampling.os, "replace", no_replace)
+    monkeypatch.setattr(sampling_kernels.os, "replace", no_replace)
     with pytest.warns(UserWarning, match="disk full"):
-        device_sampling.kernel_image("sm_87", tmp_path)
+        sampling_kernels.kernel_image("sm_87", tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
-    assert device_sampling.kernel_cache_dir() == tmp_path / "kernels"
+    assert sampling_kernels.kernel_cache_dir() == tmp_path / "kernels"
     monkeypatch.delenv("SPECEDGE_CACHE")
-    assert device_sampling.kernel_cache_dir().parts[-3:] == (".cache", "specedge", "kernels")
+    assert sampling_kernels.kernel_cache_dir().parts[-3:] == (".cache", "specedge", "kernels")
 
 
 # ---- loading on a GPU, with a stand-in driver ------------------------------------------------
@@ -283,14 +283,14 @@ def gpu(monkeypatch, tmp_path):
     """Install a stand-in driver (and runtime) for DeviceSampler; NVRTC stays real, and the
     kernel cache lives in tmp_path. Returns a function that sets the driver's answers."""
     monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
-    real_import = device_sampling._import_cuda
+    real_import = device_sampling.import_cuda
     modules = {"runtime": types.SimpleNamespace(cudaFree=lambda address: (OK,))}
 
     def install(**answers) -> StandInDriver:
         modules["driver"] = StandInDriver(**answers)
         return modules["driver"]
 
-    monkeypatch.setattr(device_sampling, "_import_cuda",
+    monkeypatch.setattr(device_sampling, "import_cuda",
                         lambda name: modules[name] if name in modules else real_import(name))
     return install
 
@@ -299,7 +299,7 @@ def test_device_sampler_reuses_the_cached_cubin(gpu, compiles):
     driver = gpu()
     for _ in range(2):
         sampler = device_sampling.DeviceSampler(CudaNamedMemory())
-        assert sampler.arch == "sm_87" and set(sampler._functions) == set(device_sampling.KERNELS)
+        assert sampler.arch == "sm_87" and set(sampler._functions) == set(sampling_kernels.KERNELS)
         sampler.close()
     assert compiles == ["sm_87"]  # the second sampler read the cache
     assert len(driver.loaded) == 2 and driver.loaded[0] == driver.loaded[1]
@@ -325,7 +325,7 @@ def test_refused_image_falls_back_to_host_sampling(gpu, fake_compiles, cc, error
 def test_compile_error_falls_back_to_host_sampling(gpu, monkeypatch):
     driver = gpu()
     broken = 'extern "C" __global__ void k(int* out) { out[0] = undeclared_name; }'
-    monkeypatch.setattr(device_sampling, "kernel_source", lambda: broken)
+    monkeypatch.setattr(sampling_kernels, "kernel_source", lambda: broken)
     with pytest.warns(UserWarning, match=r"sampling on the host: .*NVRTC could not compile"
                                          r"(.|\n)*undeclared_name"):
         assert backends._device_sampler(CudaNamedMemory()) is None

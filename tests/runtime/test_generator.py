@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from two_sample import first_tokens, two_sample_pvalue
 
-from specedge.runtime import Generator, token_choice
+from specedge.gpu_check.two_sample import first_tokens, two_sample_pvalue
+from specedge.runtime import Generator, token_selection
 from specedge.runtime.config import Sampling
 from specedge.runtime.drafting import PromptLookupDrafter
 from specedge.runtime.sampling import sample
@@ -143,7 +143,7 @@ def test_speculative_and_plain_sample_the_same_first_tokens(gen, sampling, count
         lookup = sum(c for tokens, c in spec.items() if tokens[0] == 12)
         assert 100 <= lookup <= 1400, f"lookup drafted in {lookup} of 1500 generations"
     assert two_sample_pvalue(plain, spec) > 0.001
-    monkeypatch.setattr(token_choice, "verify_sampled", _resamples_from_p)
+    monkeypatch.setattr(token_selection, "verify_sampled", _resamples_from_p)
     wrong = first_tokens(gen, 1500, 10_000, count, draft_tokens=2, **sampling)
     assert two_sample_pvalue(plain, wrong) < 0.001
 
@@ -154,7 +154,7 @@ def test_two_sample_test_refuses_a_single_outcome():
     outcomes pooled into one cell of 10 or more draws still make a second cell."""
     from collections import Counter
 
-    from two_sample import two_sample_test
+    from specedge.gpu_check.two_sample import two_sample_test
 
     with pytest.raises(ValueError, match="fewer than two outcomes"):
         two_sample_test(Counter({(3, 4): 1500}), Counter({(3, 4): 1497, (5, 6): 3}))

@@ -557,7 +557,7 @@ def test_verify_sampled_never_accepts_token_removed_by_filtering():
 @pytest.mark.parametrize("q", [np.array([[0.9, 0.05, 0.05]]), None])
 def test_kernel_twin_never_accepts_a_zero_probability_draft_at_u_zero(q):
     """The kernels' numpy twin (device_sampling.sampled_verify_reference, the reference of
-    scripts/gpu_check_sampling.py) accepts iff u * q(x) < p(x), strictly: at u = 0, which
+    specedge/gpu_check/sampling.py) accepts iff u * q(x) < p(x), strictly: at u = 0, which
     rng.random() can return, a token the target gives p(x) = 0 must still be rejected."""
     from specedge.runtime.backends.device_sampling import sampled_verify_reference
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from specedge.export.tensorrt import build as trt_build
-from specedge.export.tensorrt import calls as trt_calls
+from specedge.export.tensorrt import engine_calls as trt_calls
 from specedge.runtime import Generator, backends
 from specedge.runtime.backends import engine_manifest
 from specedge.runtime.backends import memory as device_memory

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve.conftest import run_server
+from server_process import run_server
 
 from specedge.runtime import Generator
 

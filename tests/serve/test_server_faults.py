@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve.conftest import START_TIMEOUT, ServerProcess, run_server, start_server
+from server_process import START_TIMEOUT, ServerProcess, run_server, start_server
 from tiny_models import export_slow_bundle
 
 from specedge.runtime.config import GenerationConfig

@@ -29,8 +29,8 @@ from specedge.export.tensorrt.plan import (
     check_io_names,
     strongly_typed,
 )
+from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.backends.engine_manifest import SUPPORTED_TENSORRT
-from specedge.runtime.files import atomic_write
 
 # Layers kept in fp32 in fp16/bf16 engines: normalisation (a mean of squares overflows fp16)
 # and softmax. The exporter's RMSNorm is a Pow/ReduceMean/Sqrt/Div chain named after the HF

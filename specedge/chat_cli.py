@@ -21,7 +21,15 @@ import re
 import sys
 from typing import TextIO
 
-from specedge.runtime.cli import _summary, add_generation_flags, fail, generation_settings
+from specedge.cli_common import (
+    add_bundle_flag,
+    add_generation_flags,
+    bad_input_exits_2,
+    ctrl_c_exits_130,
+    fail,
+    generation_config,
+)
+from specedge.generate_cli import summary
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.errors import SpecEdgeError
 
@@ -33,7 +41,7 @@ _COMMAND_LIKE = re.compile(r"/[a-z]+(\s|$)")
 
 def add_chat(sub) -> None:
     p = sub.add_parser("chat", help="chat with a bundle in the terminal (no torch needed)")
-    p.add_argument("--bundle", required=True, help="bundle folder made by `specedge export`")
+    add_bundle_flag(p)
     p.add_argument("--system", default=None, help="system message for the conversation")
     add_generation_flags(p)
     p.add_argument("--stats", action="store_true",
@@ -41,19 +49,18 @@ def add_chat(sub) -> None:
 
 
 class Chat:
-    """A conversation on one generator: the system message, the turns so far, and the
-    statistics of the last reply."""
+    """A conversation on one generator with one `GenerationConfig`: the system message, the
+    turns so far, and the statistics of the last reply."""
 
-    def __init__(self, gen, settings: dict, system: str | None = None,
+    def __init__(self, gen, config: GenerationConfig, system: str | None = None,
                  out: TextIO | None = None, err: TextIO | None = None):
         self.gen = gen
-        self.settings = settings
+        self.config = config
         self.system = system
         self.turns: list[dict[str, str]] = []  # user and assistant messages, alternating
         self.last_stats: dict | None = None
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        config = GenerationConfig.of(**settings)  # bad settings fail before the first turn
         self.context = gen.context_limit(config)
         self.max_new_tokens = config.max_new_tokens
         if self.max_new_tokens >= self.context:
@@ -74,7 +81,7 @@ class Chat:
         if name == "/exit":
             raise EOFError
         if name == "/stats":
-            print(_summary(self.last_stats) if self.last_stats else
+            print(summary(self.last_stats) if self.last_stats else
                   "no statistics: no reply has finished yet", file=self.err)
         elif name == "/reset":
             self.turns.clear()
@@ -98,7 +105,7 @@ class Chat:
             self.turns.pop()
             return
         pieces: list[str] = []
-        stream = self.gen.stream(messages=self.messages(), **self.settings)
+        stream = self.gen.stream(messages=self.messages(), config=self.config)
         try:
             for piece in stream:
                 pieces.append(piece)
@@ -121,7 +128,7 @@ class Chat:
         self.turns.append({"role": "assistant", "content": result.text})
         self.last_stats = result.stats
         if show_stats:
-            print(_summary(result.stats), file=self.err)
+            print(summary(result.stats), file=self.err)
 
     def _fit(self) -> bool:
         """Drop the oldest turns (user message and reply) until the prompt plus
@@ -149,30 +156,24 @@ def run_chat(args: argparse.Namespace) -> None:
     from specedge.runtime.generator import Generator
 
     interactive = sys.stdin.isatty()
-    try:
+    with bad_input_exits_2(), ctrl_c_exits_130():
         gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
         if not gen.codec.has_chat_template:
             fail(f"the bundle {args.bundle} has no chat template, so it cannot hold a "
                  "conversation; use `specedge generate --raw` for plain text completion")
-        chat = Chat(gen, generation_settings(args), system=args.system)
-    except (ValueError, SpecEdgeError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        sys.exit(130)
+        # Bad settings fail here, before the first turn.
+        chat = Chat(gen, generation_config(args), system=args.system)
     if interactive:
         print(f"chatting with {args.bundle}; commands: {', '.join(COMMANDS)}; "
               "Ctrl-C stops a reply, Ctrl-D quits", file=sys.stderr)
-    while True:
-        try:
-            line = _read(interactive)
-            if line.strip() and not chat.command(line.strip()):
-                chat.reply(line.rstrip("\r\n"), show_stats=args.stats)
-        except EOFError:
-            return
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-            sys.exit(130)
+    with ctrl_c_exits_130():
+        while True:
+            try:
+                line = _read(interactive)
+                if line.strip() and not chat.command(line.strip()):
+                    chat.reply(line.rstrip("\r\n"), show_stats=args.stats)
+            except EOFError:
+                return
 
 
 def _read(interactive: bool) -> str:

@@ -11,8 +11,8 @@ seen when the client receives them):
   server's default: the bundle's draft, K auto);
 - `specedge plain`: the same server, each request with `"speculative": {"enabled": false}`;
 - `llama.cpp server`: `python -m llama_cpp.server` (llama-cpp-python) on the same weights
-  written as a Q4_1 GGUF (specedge.bench.gguf_file; Q4_1 is the grid of our int4, see
-  scripts/bench_scaling.py), same threads, flash attention on (its fastest plain mode),
+  written as a Q4_1 GGUF (specedge.export.gguf_writer; Q4_1 is the grid of our int4, see
+  scripts/experiments/bench_scaling.py), same threads, flash attention on (its fastest plain mode),
   repeat penalty off, a new request queued behind the running one (llama-cpp-python's
   default stops the running one); skipped, with the reason, when llama_cpp.server does not
   import or with --no-llama-cpp;
@@ -50,7 +50,7 @@ sd / sqrt(R)) of the log ratios (R rounds, none for R = 1).
 The client runs on the same machine as the servers and takes some of its CPU; it takes the
 same share from every system.
 
-    python scripts/bench_serve.py [--bundle DIR] [--threads N] [--rounds 3]
+    python scripts/experiments/bench_serve.py [--bundle DIR] [--threads N] [--rounds 3]
         [--concurrency 1 4 16] [--prompts 16] [--max-tokens 64] [--quick]
         [--no-llama-cpp] [--out bench_results/serve.json]
 
@@ -85,9 +85,9 @@ from bench_scaling import LLAMA_CPP_QUANT, git_commit, machine  # noqa: E402
 
 from specedge.bench.intervals import ratio_ci  # noqa: E402
 from specedge.prompts import load_prompts  # noqa: E402
-from specedge.runtime.files import atomic_write  # noqa: E402
+from specedge.runtime.atomic_files import atomic_write  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_DRAFT = ROOT / "drafts" / "smollm2-135m"
 START_TIMEOUT = 300.0      # seconds for a server to load its model and answer
 REQUEST_TIMEOUT = 600.0
@@ -303,7 +303,7 @@ def import_error(module: str) -> str | None:
 
 def gguf_for(bundle: Path, cache: Path) -> Path:
     """The bundle's source checkpoint written as a Q4_1 GGUF, once, into cache/gguf."""
-    from specedge.bench.gguf_file import write_gguf
+    from specedge.export.gguf_writer import write_gguf
     from specedge.export.sources import resolve_checkpoint
 
     source = json.loads((bundle / "manifest.json").read_text())["source"]["model"]
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": " ".join(["python", "scripts/bench_serve.py",
+        "command": " ".join(["python", "scripts/experiments/bench_serve.py",
                              *(sys.argv[1:] if argv is None else argv)]),
         "bundle": str(bundle),
         "precision": json.loads((bundle / "manifest.json").read_text()).get("precision"),

@@ -1,4 +1,5 @@
-"""Two-sample check of the first generated tokens, shared by the end-to-end tests."""
+"""Two-sample check of the first generated tokens (a chi-square test of homogeneity), shared by
+the GPU check and the end-to-end tests. Needs scipy."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ second and time to first token, at several concurrencies (docs/cluster.md).
 
 The script starts a local two-node Ray cluster on 127.0.0.1 (two `ray start --block`
 processes, each with one `edge_device`, the dashboard and usage stats off) and stops it at
-the end. Systems, all greedy and streamed on the same prompts (scripts/bench_serve.py's
+the end. Systems, all greedy and streamed on the same prompts (scripts/experiments/bench_serve.py's
 requests, figures and statistics):
 
 - `single`: `specedge serve --bundle B --threads N`;
@@ -24,7 +24,7 @@ Both nodes of the local cluster share this machine's cores, so `ray x2` measures
 scheduling over two replicas, not two devices' worth of speed. The goal the cluster mode
 aims at: `ray x1 / single` tok/s at concurrency 1 >= 0.90.
 
-    python scripts/bench_cluster.py [--bundle DIR] [--threads N] [--rounds 3]
+    python scripts/experiments/bench_cluster.py [--bundle DIR] [--threads N] [--rounds 3]
         [--concurrency 1 4 8] [--prompts 8] [--max-tokens 64] [--quick]
         [--out bench_results/cluster.json]
 """
@@ -64,7 +64,7 @@ from bench_serve import (  # noqa: E402
 )
 
 from specedge.bench.intervals import ratio_ci  # noqa: E402
-from specedge.runtime.files import atomic_write  # noqa: E402
+from specedge.runtime.atomic_files import atomic_write  # noqa: E402
 
 SINGLE = "single"
 QUICK = {"rounds": 1, "concurrency": [1, 4], "prompts": 4}

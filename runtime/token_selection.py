@@ -1,13 +1,13 @@
 """Where tokens are chosen from a model's output: on the host, from downloaded logits
-(`HostChoice`, every backend), or on the device next to the logits (`DeviceChoice`, a
+(`HostSelector`, every backend), or on the device next to the logits (`DeviceSelector`, a
 device backend with a sampler: only token ids and the accept count come back).
 
 The loop and the model drafter use the same operations either way:
 
-    rows = choice.run(backend, cache, ids, keep)            # one model call
-    token = choice.pick(rows, sampling, rng)                # argmax, or one draw from p
-    x, q_x = choice.draw(rows, sampling, rng, q, need_q_x)  # a draft token; q collects q_i
-    n, token = choice.verify(rows, drafts, choice.q(q), sampling, rng)   # steps 3-6
+    rows = selector.call_model(backend, cache, ids, keep)       # one model call
+    token = selector.pick(rows, sampling, rng)                  # argmax, or one draw from p
+    x, q_x = selector.draw(rows, sampling, rng, q, need_q_x)    # a draft token; q collects q_i
+    n, token = selector.verify(rows, drafts, selector.q(q), sampling, rng)   # steps 3-6
 
 (steps of docs/design.md#the-speculative-step).
 
@@ -27,15 +27,16 @@ from specedge.runtime.config import Sampling
 from specedge.runtime.sampling import sample
 from specedge.runtime.speculative import verify_greedy, verify_sampled
 
-_T1 = Sampling(1.0)  # q(x) of a greedy draft token, for the draft threshold: softmax at T = 1
+# q(x) of a greedy draft token, for the draft threshold: the softmax at T = 1.
+_UNIT_TEMPERATURE = Sampling(1.0)
 
 
-class HostChoice:
+class HostSelector:
     """Logits come back to the host as numpy rows; numpy chooses."""
 
     where = "host"
 
-    def run(self, backend, cache, ids, keep: int) -> np.ndarray:
+    def call_model(self, backend, cache, ids, keep: int) -> np.ndarray:
         return backend.forward(cache, ids, keep)
 
     def pick(self, rows: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
@@ -94,13 +95,13 @@ class DeviceRows:
         return self.address + (self.keep - 1) * self.backend.spec.vocab_size * 4
 
 
-class DeviceChoice:
+class DeviceSelector:
     """The backend's sampler chooses where the logits are; processed rows go to the arena's
     `probs` region (the draft's q_1..q_K, or the target's p_1..p_{K+1})."""
 
     where = "device"
 
-    def run(self, backend, cache, ids, keep: int) -> DeviceRows:
+    def call_model(self, backend, cache, ids, keep: int) -> DeviceRows:
         return DeviceRows(backend, cache, backend.forward_rows(cache, ids, keep), keep)
 
     def pick(self, rows: DeviceRows, sampling: Sampling, rng: np.random.Generator) -> int:
@@ -122,7 +123,7 @@ class DeviceChoice:
         if sampling.greedy:
             x = sampler.verify_greedy(rows.last, [], vocab)[1]
             if need_q_x:
-                sampler.process(rows.last, 1, vocab, _T1, slot)
+                sampler.process(rows.last, 1, vocab, _UNIT_TEMPERATURE, slot)
         else:
             sampler.process(rows.last, 1, vocab, sampling, slot)
             x = sampler.sample(slot, 1, vocab, [rng.random()])[0]
@@ -146,6 +147,6 @@ class DeviceChoice:
         return sampler.verify_sampled(probs, q, drafts, vocab, rng)
 
 
-def choice_for(backend) -> HostChoice | DeviceChoice:
-    """Device choice when the backend has a sampler, else the host path."""
-    return DeviceChoice() if getattr(backend, "sampler", None) is not None else HostChoice()
+def selector_for(backend) -> HostSelector | DeviceSelector:
+    """Tokens chosen on the device when the backend has a sampler, else on the host."""
+    return DeviceSelector() if getattr(backend, "sampler", None) is not None else HostSelector()

@@ -1,7 +1,7 @@
 """GPU parity check of the on-device sampling kernels
 (runtime/backends/kernels/sampling.cu).
 
-scripts/gpu_check.py calls ``run(memory)`` with a CUDA device-memory object
+The GPU check (gpu_check.py) calls ``run(memory)`` with a CUDA device-memory object
 (runtime/backends/memory.py) and stores the JSON-able dict it returns. The host
 reference is the specification, and every check compares the kernels with it:
 
@@ -30,18 +30,14 @@ the device).
 from __future__ import annotations
 
 import math
-import sys
 import time
 import traceback
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 from scipy.stats import chisquare
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from two_sample import two_sample_test  # noqa: E402  (the tests' chi-square helper)
-
+from specedge.gpu_check.two_sample import two_sample_test
 from specedge.runtime.backends.device_sampling import (
     THREADS,
     DeviceSampler,
@@ -72,7 +68,7 @@ SETTINGS = (
 def run(memory, *, seed: int = 0, alpha: float = ALPHA, greedy_cases: int = 200,
         draws: int = 20000, vocabs: tuple[int, ...] = VOCABS, sampler=None) -> dict:
     """Run every check; returns a JSON-able report with ``status`` ("pass" / "fail", as
-    scripts/gpu_check.py expects of each part) and ``passed`` at the top.
+    the GPU check expects of each part) and ``passed`` at the top.
 
     ``sampler`` (a loaded :class:`DeviceSampler`) is built from ``memory`` when None.
     A failing section is reported (with its traceback) and the others still run.

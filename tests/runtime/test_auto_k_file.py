@@ -12,7 +12,7 @@ import pytest
 
 import specedge.runtime.loop as loop
 from specedge.runtime import Generator
-from specedge.runtime.drafting import stored
+from specedge.runtime.drafting import auto_k_file
 from specedge.runtime.drafting.auto_k import HISTORY, Histories
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -49,7 +49,7 @@ def record_with(acceptance: float, machine: dict | None = None, tries: float = 2
         "draft_seconds": [{"source": "model", "greedy": True, "seconds": 1e-4}],
         "verify_seconds": [{"greedy": True, "tokens": t, "seconds": 1e-2}
                            for t in range(1, 10)]}]
-    return {"format": stored.FORMAT, "machines": machines,
+    return {"format": auto_k_file.FORMAT, "machines": machines,
             "acceptance": [{"source": "model", "greedy": True, "steps": int(tries),
                             "tries": [tries] * 8, "accepts": [acceptance * tries] * 8}]}
 
@@ -84,17 +84,17 @@ def test_stored_acceptance_sets_the_first_k(bundle):
     accepted starts at plain decoding, one that says it is always accepted drafts long."""
     prior = first_ks(Generator.from_bundle(bundle), 1)
     assert prior[0] >= 1
-    (bundle / stored.FILE).write_text(json.dumps(record_with(0.0)))
+    (bundle / auto_k_file.FILE).write_text(json.dumps(record_with(0.0)))
     assert first_ks(Generator.from_bundle(bundle), 4) == [0, 0, 0, 0]
     gen = Generator.from_bundle(bundle)
-    (bundle / stored.FILE).write_text(json.dumps(record_with(0.99, gen.machine)))
+    (bundle / auto_k_file.FILE).write_text(json.dumps(record_with(0.99, gen.machine)))
     assert first_ks(Generator.from_bundle(bundle), 1)[0] >= 5
 
 
 def test_costs_are_used_only_on_the_machine_that_measured_them(bundle):
     gen = Generator.from_bundle(bundle, threads=1)
     other = {**gen.machine, "threads": 2}
-    (bundle / stored.FILE).write_text(json.dumps(record_with(0.5, other)))
+    (bundle / auto_k_file.FILE).write_text(json.dumps(record_with(0.5, other)))
     elsewhere = Generator.from_bundle(bundle, threads=1)
     assert not elsewhere.stored_costs
     assert elsewhere._histories.of("model", True).draft is None
@@ -128,7 +128,7 @@ def test_writing_keeps_other_machines_and_sources(bundle):
     other = {**gen.machine, "cpu": "another CPU"}
     old = record_with(0.5, other)
     old["acceptance"].append({**old["acceptance"][0], "source": "prompt-lookup"})
-    (bundle / stored.FILE).write_text(json.dumps(old))
+    (bundle / auto_k_file.FILE).write_text(json.dumps(old))
     gen.generate(PROMPT, raw=True, max_new_tokens=12, drafter="model")
     record = json.loads(gen.save_measurements("test").read_text())
     assert [m["machine"] for m in record["machines"]] == [other, gen.machine]
@@ -146,7 +146,7 @@ def test_writing_keeps_other_machines_and_sources(bundle):
                                       {"source": "model", "greedy": "yes", "steps": 1,
                                        "tries": [1], "accepts": [1]}]})])
 def test_a_file_that_cannot_be_used_is_ignored_with_a_warning(bundle, text):
-    (bundle / stored.FILE).write_text(text)
+    (bundle / auto_k_file.FILE).write_text(text)
     with pytest.warns(UserWarning, match="auto_k.json: ignored .*specedge bench"):
         gen = Generator.from_bundle(bundle)
     assert gen._histories.of("model", True).tries == [0.0] * 8  # the prior
@@ -158,6 +158,6 @@ def test_generating_writes_nothing_into_the_bundle(bundle):
     save_measurements writes it."""
     gen = Generator.from_bundle(bundle)
     gen.generate(PROMPT, raw=True, max_new_tokens=12, drafter="model")
-    assert not (bundle / stored.FILE).exists()
+    assert not (bundle / auto_k_file.FILE).exists()
     gen.save_measurements("test")
-    assert (bundle / stored.FILE).is_file()
+    assert (bundle / auto_k_file.FILE).is_file()

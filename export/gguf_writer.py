@@ -1,7 +1,8 @@
 """Write a Hugging Face checkpoint folder as a GGUF file, laid out as llama.cpp's
 convert_hf_to_gguf.py lays it out, so that llama.cpp runs the very weights a bundle runs
 (random-weight benchmark models have no GGUF of their own) and transformers reads the file
-back.
+back. Its other direction is `gguf_config.py`: the config a GGUF file's keys mean, when such
+a file is exported.
 
 What follows llama.cpp's conventions, per architecture:
 
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specedge.runtime.files import replacing
+from specedge.runtime.atomic_files import replacing
 
 # model_type -> llama.cpp architecture name (gguf.MODEL_ARCH_NAMES), for the families that
 # specedge exports and transformers reads back from GGUF. Granite and OLMo2 are left out:

@@ -23,8 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.drafting.auto_k import Histories
-from specedge.runtime.files import atomic_write
 
 FILE = "auto_k.json"
 FORMAT = 1

@@ -19,7 +19,7 @@ below) with random weights, exported to an int4 bundle, and measured:
        speedup(K) = ((1 - alpha^(K+1)) / (1 - alpha)) / (K c + r(K+1))
 
 5. where llama-cpp-python is installed, llama.cpp's plain decoding of the same random
-   weights written as a Q4_1 GGUF (specedge.bench.gguf_file), with the same threads and the
+   weights written as a Q4_1 GGUF (specedge.export.gguf_writer), with the same threads and the
    same 64-token prompt. Q4_1, not Q4_0: our int4 stores each block of 32 weights as
    w = d * q + m, which is Q4_1's grid (export/quantize.py), so Q4_1 is the same
    weight format; Q4_0 has no offset (4.5 bits a weight against 5) and would compare a
@@ -56,7 +56,7 @@ drafts only).
 So the off-the-shelf pairs above measure 0.26-0.59; 0.7 and more took a draft a fifth of its
 target's size (the 3B for the 14B, at 87%).
 
-    python scripts/bench_scaling.py [--shapes SmolLM2-135M SmolLM2-360M Qwen2.5-0.5B
+    python scripts/experiments/bench_scaling.py [--shapes SmolLM2-135M SmolLM2-360M Qwen2.5-0.5B
         Llama-3.2-1B] [--threads N] [--runs 20] [--out bench_results/scaling.json]
 
 Checkpoints, bundles and GGUF files are kept beside the output, in
@@ -82,12 +82,12 @@ from pathlib import Path
 import numpy as np
 
 from specedge.export.bundle_writer import ExportError, export_bundle
+from specedge.runtime.atomic_files import atomic_write, replacing
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.files import atomic_write, replacing
 from specedge.runtime.stats import expected_tokens_per_call
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEED = 0
 CONTEXT = 64         # prompt tokens before every timed call
 PLAIN_TOKENS = 16    # one-token steps per timed plain-decoding block
@@ -179,7 +179,7 @@ def best_k(alpha: float, c: float, r: dict[int, float], max_k: int = MAX_K) -> t
 
 def _tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer (GPT-2's scheme, as SmolLM2, Qwen2.5 and Llama 3 use, and
-    the kind specedge.bench.gguf_file writes) with exactly `vocab_size` tokens: <unk>, <s>,
+    the kind specedge.export.gguf_writer writes) with exactly `vocab_size` tokens: <unk>, <s>,
     </s>, the 256 byte symbols, then merged pairs and triples of them. The export needs a
     tokenizer.json that covers the vocabulary; its merges mean nothing."""
     from itertools import chain, product
@@ -320,9 +320,9 @@ def llama_cpp_block(name: str, checkpoint: Path, cache: Path, threads: int,
         return None, {"skipped": "llama-cpp-python not installed "
                                  "(bash scripts/install_llama_cpp.sh)"}
     try:
-        from specedge.bench.gguf_file import write_gguf
+        from specedge.export.gguf_writer import write_gguf
     except ImportError as e:
-        return None, {"skipped": f"no GGUF writer (specedge.bench.gguf_file: {e})"}
+        return None, {"skipped": f"no GGUF writer (specedge.export.gguf_writer: {e})"}
     import llama_cpp
 
     from specedge.bench.baselines import _llama_cpp_batch
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": " ".join(["python", "scripts/bench_scaling.py",
+        "command": " ".join(["python", "scripts/experiments/bench_scaling.py",
                              *(sys.argv[1:] if argv is None else argv)]),
         "threads": args.threads, "runs": args.runs, "precision": "int4",
         "context": CONTEXT, "plain_tokens": PLAIN_TOKENS, "max_k": MAX_K,
