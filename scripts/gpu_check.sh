@@ -12,13 +12,21 @@
 #                     for use_tf32=0, so MatMuls stay fp32 on compute capability 8.0+ too)
 #   tensorrt          engines built here: fp32 gives ort-cpu's greedy tokens; fp16 logits
 #                     within tolerance and tokens that leave ort-cpu's only at near ties
-# It runs `python -m specedge.gpu_check` from the checkout's root, which finds specedge/ there
-# and the folders installed as specedge.runtime, .export, ... through the checkout's editable
-# install (pip install -e ., as scripts/test.sh installs it); with .venv's Python if there is
-# one, else $PYTHON or python3. Without a GPU every part is
-# "not run" and the exit status is 0; it is 1 when a part that ran failed.
+# It runs this checkout's code, installed or not (a GPU machine may have the dependencies but
+# no network to build an install): the package is laid out in a temporary folder as the wheel
+# lays it out, from links to the checkout's folders, and imported from there; with .venv's
+# Python if there is one, else $PYTHON or python3. Without a GPU every part is "not run" and
+# the exit status is 0; it is 1 when a part that ran failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root="$(pwd)"
 PY=${PYTHON:-python3}
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
-exec "$PY" -m specedge.gpu_check --out "${1:-gpu_report.json}" "${@:2}"
+layout="$(mktemp -d)"
+trap 'rm -rf "$layout"' EXIT
+mkdir "$layout/specedge"
+ln -s "$root"/specedge/* "$layout/specedge/"
+for folder in export runtime serve bench; do ln -s "$root/$folder" "$layout/specedge/$folder"; done
+"$PY" -c 'import sys; sys.path.insert(0, sys.argv.pop(1))
+from specedge.gpu_check.check import main
+sys.exit(main())' "$layout" --out "${1:-gpu_report.json}" "${@:2}"

@@ -11,4 +11,4 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 python -m pip install --quiet --no-deps --no-build-isolation --no-compile --target "$tmp" "$root"
 cd "$tmp"  # lint-imports puts the working folder first on the import path
-lint-imports --no-cache --config "$root/pyproject.toml" "$@"
+lint-imports --no-cache "$root/pyproject.toml" "$@"

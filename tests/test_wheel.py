@@ -42,15 +42,17 @@ def test_wheel_holds_the_package_data_and_the_license(wheel):
 
 def test_every_package_folder_is_installed():
     """The package folders sit at the top level (export/, runtime/, serve/, bench/, specedge/)
-    and pyproject.toml lists them one by one: a sub-package added without its line there would
-    be missing from the wheel and from editable installs."""
+    and pyproject.toml lists them one by one: a sub-package (or a folder of package data)
+    added without its line there would be missing from the wheel and from editable
+    installs."""
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
     folders = set()
-    for name, folder in tool["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT / folder).parts
-            folders.add(".".join((name, *parts)))
+    for name, top in tool["package-dir"].items():
+        for folder in [ROOT / top, *(ROOT / top).rglob("*")]:
+            holds_files = folder.is_dir() and any(f.is_file() for f in folder.iterdir())
+            if holds_files and folder.name != "__pycache__":
+                folders.add(".".join((name, *folder.relative_to(ROOT / top).parts)))
     assert folders == listed
 
 

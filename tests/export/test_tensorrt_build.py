@@ -25,7 +25,7 @@ from test_cli import assert_one_line_error, call_main
 from specedge.export.tensorrt import build as trt_build
 from specedge.export.tensorrt import engine_calls as trt_calls
 from specedge.export.tensorrt.build import build_engines
-from specedge.export.tensorrt.calls import pins_fp32
+from specedge.export.tensorrt.engine_calls import pins_fp32
 from specedge.export.tensorrt.plan import (
     EnginePlan,
     builder_flags,

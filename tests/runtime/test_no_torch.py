@@ -64,7 +64,7 @@ def test_cli_generate_without_torch(tiny_bundle):
 # as runtime here. (Also no onnx: the device need not have it.)
 TORCH_FREE_BUILD = ["specedge.runtime.backends.engine_manifest",
                     "specedge.runtime.backends.gpu_info", "specedge.export.tensorrt.plan",
-                    "specedge.export.tensorrt.build", "specedge.export.tensorrt.calls",
+                    "specedge.export.tensorrt.build", "specedge.export.tensorrt.engine_calls",
                     "specedge.export.cli"]
 
 
