@@ -140,17 +140,17 @@ def save_tiny_more(path: Path, arch: str, layers: int = 2, seed: int = 0,
 
 
 def export_slow_bundle(root: Path, context: int) -> Path:
-    """A random Llama wide enough to take a few ms a token on one thread (4 layers, hidden
-    256, MLP 2048, `context` positions) with the character tokenizer, exported with its
-    first layer as the draft into root/bundle. Its EOS row is zeroed so that greedy runs
-    reach max_tokens: the server tests drop, queue, time out and kill requests while it
-    runs."""
+    """A random Llama wide enough to take a few ms a token on one thread, also on a CPU with
+    AVX-512 (4 layers, hidden 256, MLP 4096, `context` positions) with the character
+    tokenizer, exported with its first layer as the draft into root/bundle. Its EOS row is
+    zeroed so that greedy runs reach max_tokens: the server tests drop, queue, time out and
+    kill requests while it runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specedge.export.bundle_writer import export_bundle
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=2048, num_hidden_layers=4,
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=4096, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=context, initializer_range=0.3,
                       tie_word_embeddings=False, vocab_size=len(VOCAB), bos_token_id=BOS,
