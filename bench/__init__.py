@@ -1,2 +1,3 @@
 """`specedge bench`: speculative vs plain decoding side by side, plus the tools users would
-pick instead (Hugging Face transformers, llama.cpp) when they are installed."""
+pick instead (Hugging Face transformers, llama.cpp, onnxruntime-genai) when they are
+installed."""

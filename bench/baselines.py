@@ -298,13 +298,18 @@ def time_systems(systems: dict[str, dict], prompt_ids: list[list[int]], rounds: 
 SPEEDS = {"decode": "decode_tokens_per_second", "end to end": "tokens_per_second"}
 
 
+# The peers the ratios are quoted against: each one's systems are named "<peer> ...", its
+# plain decoding "<peer> plain" (for onnxruntime-genai, its model builder's CPU defaults).
+PEERS = ("llama.cpp", "onnxruntime-genai")
+
+
 def system_ratios(systems: dict[str, dict]) -> list[dict]:
     """The ratios the report quotes, each speed (decode, end to end) round by round, with
-    their median and 95% confidence interval (`intervals.ratio_ci`): "specedge best /
-    llama.cpp best", llama.cpp best being the faster of its two systems by median over
-    rounds on that speed (recorded as `denominator`), and "specedge plain / llama.cpp
-    plain". A ratio whose systems did not both run (a skipped baseline) is left out, as is
-    a round where either speed is undefined."""
+    their median and 95% confidence interval (`intervals.ratio_ci`), for each peer that ran
+    (llama.cpp, then onnxruntime-genai): "specedge best / <peer> best", the peer's best being
+    the fastest of its systems by median over rounds on that speed (recorded as
+    `denominator`), and "specedge plain / <peer> plain". A ratio whose systems did not both
+    run (a skipped baseline) is left out, as is a round where either speed is undefined."""
     timed = {name: s for name, s in systems.items() if "rounds" in s}
     out = []
 
@@ -319,11 +324,12 @@ def system_ratios(systems: dict[str, dict]) -> list[dict]:
             out.append({"ratio": ratio, "speed": speed, "numerator": num,
                         "denominator": den, **ratio_ci(per_round)})
 
-    for speed, key in SPEEDS.items():
-        llamas = [name for name in LLAMA_CPP if name in timed and timed[name][key]]
-        if llamas:
-            add("specedge best / llama.cpp best", "specedge best",
-                max(llamas, key=lambda name: timed[name][key]), speed)
-    for speed in SPEEDS:
-        add("specedge plain / llama.cpp plain", "specedge plain", "llama.cpp plain", speed)
+    for peer in PEERS:
+        for speed, key in SPEEDS.items():
+            theirs = [name for name in timed if name.startswith(f"{peer} ") and timed[name][key]]
+            if theirs:
+                add(f"specedge best / {peer} best", "specedge best",
+                    max(theirs, key=lambda name: timed[name][key]), speed)
+        for speed in SPEEDS:
+            add(f"specedge plain / {peer} plain", "specedge plain", f"{peer} plain", speed)
     return out

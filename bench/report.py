@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specedge.bench.baselines import PEERS
+
 COLUMNS = [("tok/s", "tokens_per_second", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
            ("geo", "speedup_geomean", "{:.2f}x"),
            ("ideal", "ideal_speedup", "{:.2f}x"), ("meas/ideal", "measured_over_ideal", "{:.2f}"),
@@ -104,28 +106,53 @@ def _systems_markdown(results: dict) -> list[str]:
                          f"{row['perplexity']:.2f} | {by_round} |")
     ratios = results.get("system_ratios", [])
     if ratios:
-        lines += ["", "Ratios to llama.cpp: per round, then their median and the 95% "
-                  "confidence interval of their geometric mean (Student t over rounds): "
-                  "a ratio moves by several percent from run to run on one machine, so "
-                  "read its interval. llama.cpp best: the faster of its two systems on that "
+        lines += ["", f"Ratios to {' and '.join(_peers_in(ratios))}: per round, then their median "
+                  "and the 95% confidence interval of their geometric mean (Student t over "
+                  "rounds): a ratio moves by several percent from run to run on one machine, "
+                  "so read its interval. A peer's best: the fastest of its systems on that "
                   "speed (median over rounds).", "",
                   "| ratio | speed | median | 95% CI | by round |", "|---|---|---|---|---|"]
         for r in ratios:
             name = r["ratio"]
-            if name.endswith("llama.cpp best"):
+            if name.endswith(" best"):
                 name += f" ({r['denominator']})"
             lines.append(f"| {name} | {r['speed']} | {r['median']:.2f}x | {_interval(r)} | "
                          + " ".join(f"{x:.2f}" for x in r["rounds"]) + " |")
-    else:
+    for peer in PEERS:
+        if peer in _peers_in(ratios):
+            continue
         skipped = [f"{name}: {row['skipped']}" for name, row in systems.items()
-                   if name.startswith("llama.cpp") and "skipped" in row]
-        lines += ["", "No ratio to llama.cpp: " + ("; ".join(skipped) if skipped else
-                                                   "it was not among --baselines") + "."]
+                   if name.startswith(f"{peer} ") and "skipped" in row]
+        if skipped or not ratios:
+            lines += ["", f"No ratio to {peer}: " + ("; ".join(skipped) if skipped else
+                                                     "it was not among --baselines") + "."]
     llama = next((row for row in systems.values() if "build" in row), None)
     if llama:
         lines += ["", f"llama.cpp: flash attention on, n_batch {llama['n_batch']}; its build: "
                       f"`{llama['build']}`"]
-    return lines
+    return lines + _ort_genai_line(systems)
+
+
+def _peers_in(ratios: list[dict]) -> list[str]:
+    """The peers the ratios are taken to ("specedge best / <peer> best", ...), in PEERS'
+    order."""
+    taken = {r["ratio"].split(" / ", 1)[1].rsplit(" ", 1)[0] for r in ratios}
+    return [peer for peer in PEERS if peer in taken]
+
+
+def _ort_genai_line(systems: dict) -> list[str]:
+    """What onnxruntime-genai ran, when it ran: its version, how each model was built and
+    its n-gram settings."""
+    rows = [row for row in systems.values() if "builder_options" in row]
+    if not rows:
+        return []
+    builds = {row["variant"]: row["builder_options"] for row in rows}
+    ngram = next((row["speculative"] for row in rows if "speculative" in row), {})
+    return ["", f"onnxruntime-genai {rows[0]['version']}: int4 CPU models from its model "
+            "builder (`-p int4 -e cpu`), " + ", ".join(
+                f"{variant}: `--extra_options {' '.join(options)}`" if options
+                else f"{variant}: its defaults" for variant, options in builds.items())
+            + "; n-gram: " + " ".join(f"`{k}={v}`" for k, v in ngram.items()) + "."]
 
 
 def plots(results: dict, out: Path) -> list[Path]:

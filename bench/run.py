@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from specedge.bench import baselines, report
+from specedge.bench import baselines, ort_genai, report
 from specedge.bench.configs import (
     NO_DRAFT_QUICK,
     aggregate,
@@ -25,6 +25,7 @@ from specedge.cli_common import (
     add_backend_flag,
     add_bundle_flag,
     add_max_new_tokens_flag,
+    add_spinning_flag,
     add_threads_flag,
     bad_input_exits_2,
 )
@@ -33,8 +34,8 @@ from specedge.runtime import Generator
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.config import GenerationConfig
 
-# The other systems `--baselines` chooses from (bench/baselines.py).
-BASELINES = ("transformers", "llama.cpp")
+# The other systems `--baselines` chooses from (bench/baselines.py, bench/ort_genai.py).
+BASELINES = ("transformers", "llama.cpp", "onnxruntime-genai")
 
 
 def _positive(text: str) -> int:
@@ -65,12 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts for the other systems, which are slow (default 8)")
     p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
                    metavar="SYSTEM",
-                   help="the other systems to compare with: transformers, llama.cpp (default "
-                        "both; --baselines alone: none)")
+                   help="the other systems to compare with: transformers, llama.cpp, "
+                        "onnxruntime-genai (default all three; --baselines alone: none)")
     p.add_argument("--rounds", type=_positive, default=3,
                    help="times the system comparison runs its prompts, each round giving "
                         "one ratio for the confidence interval (default 3)")
     add_threads_flag(p, help=None)
+    add_spinning_flag(p)
     add_backend_flag(p, help="runtime backend of our configurations (default ort-cpu)")
     p.add_argument("--out", type=Path, default=Path("bench_results"))
 
@@ -155,7 +157,8 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
              configs: list[tuple[str, dict]], prompt_ids: list[list[int]]) -> dict:
     """The system comparison: our plain and fastest greedy configuration against the
     baselines chosen by --baselines on the first --systems-prompts prompts, --rounds times,
-    end to end and decode, with perplexities and the ratios to llama.cpp."""
+    end to end and decode, with perplexities and the ratios to llama.cpp and
+    onnxruntime-genai."""
     n = min(args.systems_prompts, len(prompt_ids))
     end_to_end = {name: sum(s["tokens_generated"] for s in stats[:n]) /
                   sum(s["time_total_s"] for s in stats[:n]) for name, stats in runs.items()
@@ -164,7 +167,8 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
     # The shipped set's passages, whatever --prompts: the same text for every system.
     text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.bundle.target.max_context]
     # on ONNX Runtime CPU whatever the bench's backend: a property of the graph
-    ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads), text_ids)
+    ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads,
+                                                 spinning=args.thread_spinning), text_ids)
     kwargs = dict(configs)
     systems = {"specedge plain": _ours(gen, kwargs["greedy/plain"], args.max_new_tokens, ours),
                "specedge best": {**_ours(gen, kwargs[best], args.max_new_tokens, ours),
@@ -176,6 +180,9 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
         systems.update(baselines.llama_cpp_systems(_gguf(args.bundle), args.max_new_tokens,
                                                    args.threads or os.cpu_count() or 1,
                                                    text_ids))
+    if "onnxruntime-genai" in args.baselines:
+        systems.update(ort_genai.ort_genai_systems(args.bundle, args.max_new_tokens,
+                                                   args.threads, text_ids))
     # Every system gets the ids our configurations decoded from (a `messages` prompt
     # through the bundle's chat template), so all of them see the same prompts.
     systems = baselines.time_systems(systems, prompt_ids[:n], rounds=args.rounds,
@@ -189,7 +196,8 @@ def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     prompts = _prompts(args)  # a bad prompt file fails before the bundle loads
-    gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
+    gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads,
+                                spinning=args.thread_spinning)
     source = str(args.prompts) if args.prompts else "the shipped prompt set"
     has_draft = gen.draft is not None
     if args.quick and not has_draft:

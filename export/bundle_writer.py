@@ -42,6 +42,7 @@ from specedge.export.settings import HEAD_SUBSET_DRAFTS, ExportSettings, draft_k
 from specedge.export.sources import GGUF_READER_REVISION, load_model
 from specedge.export.steps import ExportError, ExportRun, step_error
 from specedge.export.verify import verify_failure, verify_feature_draft, verify_graph
+from specedge.prompts import load_prompts
 from specedge.runtime.atomic_files import replacing
 from specedge.runtime.bundle import FORMAT_VERSION, MANIFEST
 
@@ -89,12 +90,15 @@ def _fingerprint(source: str | None) -> str | None:
 
 def export_args(model: str, draft: str | None, draft_layers: int | None,
                 max_context: int | None, precision: str, attention: str = "auto",
-                draft_head_tokens: int | str | None = None) -> dict:
+                draft_head_tokens: int | str | None = None, int4_grid: str = "exact") -> dict:
     """What a bundle was made from: an up-to-date bundle has exactly these."""
     args = {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
             "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
             "max_context": max_context, "precision": precision, "attention": attention,
             "graph_revision": GRAPH_REVISION}
+    # Bundles of the original int4 grid keep their arguments (and stay up to date).
+    if int4_grid != "exact":
+        args["int4_grid"] = int4_grid
     # Only a truncated or checkpoint draft takes a head subset: other bundles keep their
     # arguments (and stay up to date).
     if draft_kind(draft, draft_layers) in HEAD_SUBSET_DRAFTS:
@@ -118,7 +122,8 @@ def is_current(out: Path, args: dict) -> bool:
 def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
                   precision: str = "fp32", verify: bool = False, force: bool = False,
-                  attention: str = "auto", draft_head_tokens: int | str | None = None) -> dict:
+                  attention: str = "auto", draft_head_tokens: int | str | None = None,
+                  int4_grid: str = "exact") -> dict:
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless
@@ -130,13 +135,14 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
     (fused for int8 and int4 Llama-family graphs). `draft_head_tokens`: how many tokens a
     truncated or checkpoint draft's head scores, an integer, "all", or "auto"/None
-    (drafts/truncated.py `draft_head_size`). The same as `write_bundle` with these as its
+    (drafts/truncated.py `draft_head_size`). `int4_grid`: how int4 holds a weight
+    (export/quantize.py `INT4_GRIDS`). The same as `write_bundle` with these as its
     ExportSettings.
     """
     return write_bundle(ExportSettings(
         model=model, out=out, draft=draft, draft_layers=draft_layers,
         max_context=max_context, precision=precision, verify=verify, force=force,
-        attention=attention, draft_head_tokens=draft_head_tokens))
+        attention=attention, draft_head_tokens=draft_head_tokens, int4_grid=int4_grid))
 
 
 def write_bundle(settings: ExportSettings) -> dict:
@@ -146,7 +152,7 @@ def write_bundle(settings: ExportSettings) -> dict:
 
     source = export_args(settings.model, settings.draft, settings.draft_layers,
                          settings.max_context, settings.precision, settings.attention,
-                         settings.draft_head_tokens)
+                         settings.draft_head_tokens, settings.int4_grid)
     if not settings.force and is_current(settings.out, source):
         print(f"bundle {settings.out} is up to date (use --force to re-export)",
               file=sys.stderr)
@@ -200,13 +206,15 @@ class _Models:
 class _ModelFacts:
     """What the steps after verify need of the models, so that the models themselves can go:
     the tokenizer and its special tokens, each role's config, the draft head's token ids
-    (None: every token), and the verify prompt in token ids."""
+    (None: every token), the verify prompt in token ids, and the tokens a quantizer
+    calibrates on (`calibration_ids`)."""
 
     tokenizer: PreTrainedTokenizerBase
     special: dict
     configs: dict
     head_ids: torch.Tensor | None
     prompt: list[int]
+    calibration: list[int]
 
 
 @dataclass(frozen=True)
@@ -276,7 +284,22 @@ def _model_facts(models: _Models) -> _ModelFacts:
     return _ModelFacts(tokenizer=models.tokenizer, special=models.special,
                        configs={role: m.config for role, m in models.roles.items()},
                        head_ids=getattr(models.draft, "specedge_head_ids", None),
-                       prompt=text_ids(models.tokenizer, VERIFY_PROMPT))
+                       prompt=text_ids(models.tokenizer, VERIFY_PROMPT),
+                       calibration=calibration_ids(models.tokenizer,
+                                                   models.roles["target"].config))
+
+
+# Tokens of the shipped prompt set a quantizer calibrates on (not the quality report's text,
+# which must stay unseen).
+CALIBRATION_TOKENS = 512
+
+
+def calibration_ids(tokenizer, config) -> list[int]:
+    """The shipped prompts (specedge/prompts.jsonl) one after another, in token ids, cut at
+    CALIBRATION_TOKENS and at the model's context."""
+    text = "\n\n".join(p["prompt"] for p in load_prompts())
+    limit = min(CALIBRATION_TOKENS, model_dims_of(config)["max_context"])
+    return text_ids(tokenizer, text)[:limit]
 
 
 def _export_graphs(run: ExportRun, settings: ExportSettings, models: _Models) -> _Graphs:
@@ -328,7 +351,8 @@ def _quantize(run: ExportRun, settings: ExportSettings, graphs: _Graphs,
         return None
     with run.step("quantize"):
         for role in facts.configs:
-            quantize_graph(graphs.fp32[role], graphs.final[role], settings.precision)
+            quantize_graph(graphs.fp32[role], graphs.final[role], settings.precision,
+                           settings.int4_grid, facts.calibration)
         report = quantization_report(
             graphs.fp32["target"], graphs.final["target"], model_dims_of(facts.configs["target"]),
             facts.prompt, text_ids(facts.tokenizer, PERPLEXITY_TEXT))

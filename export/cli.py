@@ -45,6 +45,11 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
                    help="weights of both graphs; int8/int4 are weight-only (MatMulNBits), "
                    "fastest on CPU; the export reports the quantized target's change")
+    p.add_argument("--int4-grid", choices=("exact", "search"), default="exact",
+                   help="int4 only: exact (default) keeps each block's float offset in a small "
+                   "extra product (a GGUF Q4_1 model's weights exactly); search picks an "
+                   "integer zero point per block (one MatMulNBits per weight: faster, a small "
+                   "approximation)")
     p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
                    help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
                    "cache in place and reads only its valid rows (ort-cpu only; not Gemma "
@@ -176,7 +181,8 @@ def export_settings(args: argparse.Namespace, model: str) -> ExportSettings:
     return ExportSettings(
         model=model, out=args.out, draft=args.draft, draft_layers=args.draft_layers,
         draft_head_tokens=getattr(args, "draft_head_tokens", "auto"),
-        max_context=args.max_context, precision=args.precision, attention=args.attention,
+        max_context=args.max_context, precision=args.precision,
+        int4_grid=getattr(args, "int4_grid", "exact"), attention=args.attention,
         verify=args.verify, force=args.force)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 
 from specedge.export.graph.families import model_dims_of
+from specedge.export.node_counts import optimized_node_counts
 from specedge.export.onnx_files import data_file, load_graph
 from specedge.export.verify import graph_features, graph_kv_layout
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE
@@ -54,4 +55,8 @@ def model_entry(config, path: Path, max_context: int | None, precision: str) -> 
                   "data_file_size": data_file(path).stat().st_size}
     if features:
         entry |= {"features": features, "reads_features": reads}
+    if not data_file(path).is_file():
+        # A graph over 2 GB is not counted: ONNX Runtime would write its optimized copy,
+        # weights and all, to count it.
+        entry["optimized_nodes"] = optimized_node_counts(path, dims["num_layers"])
     return entry

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from specedge.export.activation_stats import mean_squares
 from specedge.export.onnx_files import is_external, load_graph, save_graph
 from specedge.export.verify import graph_backend
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
@@ -57,7 +58,15 @@ PERPLEXITY_TEXT = (
 )
 
 
-def quantize_graph(source: Path, path: Path, precision: str) -> None:
+# How int4 holds a MatMul weight: "exact" keeps each block's float offset in a small fp32
+# product beside the MatMulNBits (`_centre_blocks`: GGUF's Q4_1 grid exactly, four more nodes a
+# weight); "search" stores an integer zero point chosen per block by a search
+# (export/int4_blocks.py): the MatMulNBits node alone.
+INT4_GRIDS = ("exact", "search")
+
+
+def quantize_graph(source: Path, path: Path, precision: str, int4_grid: str = "exact",
+                   calibration_ids: list[int] | None = None) -> None:
     """Write the fp32 graph at `source` in `precision` at `path` (and its data file when the
     result is large: export/onnx_files.py).
 
@@ -79,11 +88,26 @@ def quantize_graph(source: Path, path: Path, precision: str) -> None:
         onnx.external_data_helper.load_external_data_for_model(model, str(folder))
         model = convert_float_to_float16(model, keep_io_types=True)
     elif precision != "fp32":
-        _quantize_weights(model, folder, precision)
+        if int4_grid not in INT4_GRIDS:
+            raise ValueError(f"int4_grid must be one of {', '.join(INT4_GRIDS)}, "
+                             f"got {int4_grid!r}")
+        importance = None
+        if precision == "int4" and int4_grid == "search" and calibration_ids:
+            importance = mean_squares(source, model, _matmul_inputs(model), calibration_ids)
+        _quantize_weights(model, folder, precision, int4_grid, importance or {})
     save_graph(model, folder, path)
 
 
-def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str) -> None:
+def _matmul_inputs(model: onnx.ModelProto) -> list[str]:
+    """The activations the graph's MatMuls with a constant 2-D weight multiply."""
+    weights = {i.name for i in model.graph.initializer if len(i.dims) == 2}
+    return sorted({n.input[0] for n in model.graph.node
+                   if n.op_type == "MatMul" and n.input[1] in weights})
+
+
+def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
+                      int4_grid: str = "exact",
+                      importance: dict[str, np.ndarray] | None = None) -> None:
     """int8: every MatMul weight -> MatMulNBits at 8 bits, every embedding Gather ->
     GatherBlockQuantized at 8 bits (`_embedding_8bit`). int4: the LM head at 8 bits, every
     other MatMul weight centred on its blocks' offsets (`_centre_blocks`) and at 4 bits,
@@ -109,10 +133,13 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str) -> N
             new = [_embedding_8bit(graph, node, weight)]
         else:
             bits = 8 if precision == "int8" or node.name in heads else 4
-            if node.op_type == "MatMul" and bits == 4 and weight.dims[0] % BLOCK_SIZE == 0:
-                added = _centre_blocks(graph, node, weight)
-            else:
-                added = []
+            on_blocks = node.op_type == "MatMul" and bits == 4 and weight.dims[0] % BLOCK_SIZE == 0
+            if on_blocks and int4_grid == "search":
+                nodes.append(_searched_matmul(graph, node, weight,
+                                              (importance or {}).get(node.input[0])))
+                graph.initializer.remove(weight)
+                continue
+            added = _centre_blocks(graph, node, weight) if on_blocks else []
             key = (bits, node.op_type)
             if key not in quantizers:
                 quantizers[key] = _node_quantizer(bits, node.op_type)
@@ -143,6 +170,26 @@ def _node_quantizer(bits: int, op: str):
     return nbits.DefaultWeightOnlyQuantizer(nbits.DefaultWeightOnlyQuantConfig(
         block_size=BLOCK_SIZE, is_symmetric=False, accuracy_level=4, bits=bits,
         op_types_to_quantize=(op,), quant_axes=(("MatMul", 0), ("Gather", 1))))
+
+
+def _searched_matmul(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto,
+                     importance: np.ndarray | None = None) -> onnx.NodeProto:
+    """The MatMul `node` of the constant [K, N] `weight` (in memory) as one MatMulNBits at 4
+    bits with integer zero points found by `search_int4` (errors weighed by `importance`
+    [K] when given); adds its tensors to `graph`."""
+    from specedge.export.int4_blocks import matmul_nbits_arrays, search_int4
+
+    k, n = weight.dims
+    packed, scales, zero_points = matmul_nbits_arrays(
+        search_int4(onnx.numpy_helper.to_array(weight), BLOCK_SIZE, importance))
+    name = weight.name
+    graph.initializer.extend([onnx.numpy_helper.from_array(packed, f"{name}_Q4"),
+                              onnx.numpy_helper.from_array(scales, f"{name}_scales"),
+                              onnx.numpy_helper.from_array(zero_points, f"{name}_zero_points")])
+    return onnx.helper.make_node(
+        "MatMulNBits", [node.input[0], f"{name}_Q4", f"{name}_scales", f"{name}_zero_points"],
+        list(node.output), name=f"{node.name or name}_Q4", domain="com.microsoft",
+        K=k, N=n, bits=4, block_size=BLOCK_SIZE, accuracy_level=4)
 
 
 def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto,

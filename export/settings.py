@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specedge.export.distill.draft_folder import is_distilled_draft
-from specedge.export.quantize import PRECISIONS
+from specedge.export.quantize import INT4_GRIDS, PRECISIONS
 
 # Drafts whose head can score a subset of the tokens (`--draft-head-tokens`): the target's
 # first layers and a checkpoint. A distilled draft scores its own head tokens.
@@ -38,7 +38,8 @@ class ExportSettings:
     target's first N layers (not both). `draft_head_tokens`: how many tokens a truncated or
     checkpoint draft's head scores, an integer, "all", or "auto" (None means "auto").
     `max_context`: a cap on the context recorded in the bundle. `precision`: the weights of
-    both graphs. `attention`: "fused", "portable" or "auto". `verify`: compare the graphs with
+    both graphs. `int4_grid`: how int4 holds a weight (export/quantize.py `INT4_GRIDS`).
+    `attention`: "fused", "portable" or "auto". `verify`: compare the graphs with
     transformers. `force`: export even when `out` is up to date.
     """
 
@@ -49,6 +50,7 @@ class ExportSettings:
     draft_head_tokens: int | str = "auto"
     max_context: int | None = None
     precision: str = "fp32"
+    int4_grid: str = "exact"
     attention: str = "auto"
     verify: bool = False
     force: bool = False
@@ -62,6 +64,11 @@ class ExportSettings:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
+        if self.int4_grid not in INT4_GRIDS:
+            raise ValueError(f"--int4-grid must be one of {', '.join(INT4_GRIDS)}, "
+                             f"got {self.int4_grid!r}")
+        if self.int4_grid != "exact" and self.precision != "int4":
+            raise ValueError(f"--int4-grid {self.int4_grid} applies to --precision int4 only")
         if self.draft is not None and self.draft_layers is not None:
             raise ValueError("pass --draft or --draft-layers, not both")
         if self.max_context is not None and (

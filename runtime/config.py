@@ -17,6 +17,11 @@ DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 # `draft_tokens="auto"` picks K in [0, AUTO_MAX_K] before every step (drafting/auto_k.py).
 AUTO_MAX_K = 8
 DEFAULT_DRAFTER = "lookup+model"  # matched or beat the model alone in every bench category
+# Whether ONNX Runtime's intra-op threads spin while they wait for work. Off: on a 2-core
+# EPYC with other processes on the cores it ran 1.2-2.3x the speed of spinning threads, and
+# 0.77-0.88x on a quiet machine; no setting measured came closer to the best in every case
+# (docs/design.md#threads).
+DEFAULT_SPINNING = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,15 @@ def check_threads(threads: int | None) -> int | None:
         raise ValueError(f"threads must be an integer in [1, {limit}] (or None for all "
                          f"cores), got {threads!r}")
     return threads
+
+
+def check_spinning(spinning: object) -> bool:
+    """Whether ONNX Runtime's intra-op threads spin while they wait for work
+    (its session option `session.intra_op.allow_spinning`)."""
+    if not isinstance(spinning, bool):
+        raise ValueError(f"spinning must be True or False (whether ONNX Runtime's threads "
+                         f"spin while they wait for work), got {spinning!r}")
+    return spinning
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from specedge.runtime.backends import load_backend
 from specedge.runtime.bundle import Bundle, load_bundle
-from specedge.runtime.config import GenerationConfig
+from specedge.runtime.config import DEFAULT_SPINNING, GenerationConfig
 from specedge.runtime.drafting import (
     Drafter,
     FeatureDrafter,
@@ -113,12 +113,16 @@ class Generator:
 
     @classmethod
     def from_bundle(cls, path: str | Path | Bundle, backend: str = "ort-cpu",
-                    threads: int | None = None) -> Generator:
+                    threads: int | None = None,
+                    spinning: bool = DEFAULT_SPINNING) -> Generator:
         """Load and validate a bundle folder (or take one `load_bundle` read already) and
-        open its graphs on `backend`."""
+        open its graphs on `backend`, each with `threads` ONNX Runtime CPU threads (None:
+        one per core) that spin while they wait for work when `spinning` (ONNX Runtime's
+        `session.intra_op.allow_spinning`; docs/design.md#threads)."""
         bundle = path if isinstance(path, Bundle) else load_bundle(path)
-        target = load_backend(backend, bundle, "target", threads)
-        draft = load_backend(backend, bundle, "draft", threads) if bundle.draft else None
+        target = load_backend(backend, bundle, "target", threads, spinning)
+        draft = (load_backend(backend, bundle, "draft", threads, spinning) if bundle.draft
+                 else None)
         return cls(bundle, target, draft, TextCodec(bundle), threads)
 
     def context_limit(self, config: GenerationConfig) -> int:

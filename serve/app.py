@@ -34,7 +34,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specedge.runtime.bundle import Bundle
-from specedge.runtime.config import DEFAULT_DRAFTER, GenerationConfig, check_token_ids
+from specedge.runtime.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_SPINNING,
+    GenerationConfig,
+    check_token_ids,
+)
 from specedge.runtime.generator import GenerationResult, Generator
 from specedge.runtime.text import TextCodec
 from specedge.serve.metrics import ServerMetrics
@@ -69,6 +74,7 @@ class ServerSettings:
     bundle: str
     backend: str = "ort-cpu"
     threads: int | None = None
+    spinning: bool = DEFAULT_SPINNING    # CPU threads spin while they wait for work
     model_name: str | None = None        # default: the bundle folder's name
     api_key: str | None = None           # None: no key asked for
     max_queue: int = 32                  # requests waiting beyond the running one
@@ -115,7 +121,8 @@ class Server:
             engine = LocalEngine(settings.max_queue, settings.stall_timeout,
                                  load or (lambda: Generator.from_bundle(
                                      settings.bundle, backend=settings.backend,
-                                     threads=settings.threads)),
+                                     threads=settings.threads,
+                                     spinning=settings.spinning)),
                                  self.metrics.queue_changed)
         self.engine = engine
         self.text: PromptText | None = None  # set once the engine has loaded the bundle

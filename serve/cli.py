@@ -16,6 +16,7 @@ from specedge.cli_common import (
     add_bundle_flag,
     add_draft_tokens_flag,
     add_drafter_flag,
+    add_spinning_flag,
     add_threads_flag,
     bad_input_exits_2,
     fail,
@@ -35,6 +36,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     add_backend_flag(p)
     add_threads_flag(p)
+    add_spinning_flag(p)
     p.add_argument("--model-name", default=None,
                    help="the model's name in the API (default: the bundle folder's name)")
     key = p.add_mutually_exclusive_group()
@@ -114,6 +116,7 @@ def _settings(args: argparse.Namespace):
         check_threads(args.threads)
     return ServerSettings(
         bundle=args.bundle, backend=args.backend, threads=args.threads,
+        spinning=args.thread_spinning,
         model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         draft_tokens=args.draft_tokens, drafter=args.drafter, max_tokens=args.max_tokens,
@@ -199,7 +202,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from specedge.serve.draining import DrainingServer
 
     server = Server(settings, lambda: Generator.from_bundle(
-        bundle, backend=settings.backend, threads=settings.threads))
+        bundle, backend=settings.backend, threads=settings.threads,
+        spinning=settings.spinning))
     app = build_app(settings, server=server)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, lifespan="on")

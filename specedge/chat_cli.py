@@ -157,7 +157,8 @@ def run_chat(args: argparse.Namespace) -> None:
 
     interactive = sys.stdin.isatty()
     with bad_input_exits_2(), ctrl_c_exits_130():
-        gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
+        gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads,
+                                    spinning=args.thread_spinning)
         if not gen.codec.has_chat_template:
             fail(f"the bundle {args.bundle} has no chat template, so it cannot hold a "
                  "conversation; use `specedge generate --raw` for plain text completion")

@@ -16,7 +16,12 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from specedge.runtime.backends import BACKENDS
-from specedge.runtime.config import DEFAULT_DRAFTER, DRAFTERS, GenerationConfig
+from specedge.runtime.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_SPINNING,
+    DRAFTERS,
+    GenerationConfig,
+)
 from specedge.runtime.errors import SpecEdgeError
 
 BUNDLE_HELP = "bundle folder made by `specedge export`"
@@ -39,6 +44,17 @@ def add_threads_flag(parser: argparse.ArgumentParser, help: str | None = THREADS
     parser.add_argument("--threads", type=int, default=None, help=help)
 
 
+def add_spinning_flag(parser: argparse.ArgumentParser) -> None:
+    """--thread-spinning on|off: whether the runtime's CPU threads spin while they wait for
+    work (ONNX Runtime's `session.intra_op.allow_spinning`); a bool in the namespace."""
+    parser.add_argument("--thread-spinning", type=on_off_arg, metavar="{on,off}",
+                        default=DEFAULT_SPINNING,
+                        help="CPU threads spin while they wait for work (ONNX Runtime's "
+                        "allow_spinning; default "
+                        f"{'on' if DEFAULT_SPINNING else 'off'}: "
+                        "off yields the cores to other processes)")
+
+
 def add_max_new_tokens_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
 
@@ -54,7 +70,8 @@ def add_drafter_flag(parser: argparse.ArgumentParser, help: str | None = None) -
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     """The flags `generate` and `chat` share: generation settings, drafting, backend and
-    CPU threads (`generation_config` turns them into a `GenerationConfig`)."""
+    CPU threads and their spinning (`generation_config` turns the generation settings into a
+    `GenerationConfig`)."""
     add_max_new_tokens_flag(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -72,6 +89,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
                      "engines from `specedge build`); host-emulated runs the GPU backends' "
                      "code on the CPU, for testing")
     add_threads_flag(parser)
+    add_spinning_flag(parser)
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -92,6 +110,13 @@ def draft_tokens_arg(value: str) -> int | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") \
             from None
+
+
+def on_off_arg(value: str) -> bool:
+    """argparse type of an on/off flag: True for "on", False for "off"."""
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'on' or 'off', got {value!r}")
+    return value == "on"
 
 
 def fail(message: str) -> NoReturn:

@@ -65,7 +65,8 @@ def run_generate(args: argparse.Namespace) -> None:
     from specedge.runtime.generator import Generator
 
     with bad_input_exits_2(), ctrl_c_exits_130():
-        gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads)
+        gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads,
+                                    spinning=args.thread_spinning)
         # The prompt is checked before the settings, in the order a generation checks them.
         ids = gen.encode_prompt(args.prompt, raw=args.raw)
         config = generation_config(args)

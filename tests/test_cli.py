@@ -8,6 +8,8 @@ written outside Python (ONNX Runtime, progress bars) is seen too.
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import shutil
@@ -230,6 +232,8 @@ BAD_GENERATE = [
     (["--prompt", PROMPT, "--seed", "-1"], ["seed"]),
     # --threads is checked: -1 is refused (and 1000000 would exhaust memory).
     (["--prompt", PROMPT, "--threads", "-1"], ["threads"]),
+    (["--prompt", PROMPT, "--thread-spinning", "maybe"],
+     ["--thread-spinning", "expected 'on' or 'off'", "'maybe'"]),
 ]
 
 
@@ -301,6 +305,72 @@ def test_generate_garbage_bundle_through_a_subprocess(tiny_bundle, tmp_path):
     proc = run_cli("generate", "--bundle", bundle, "--prompt", PROMPT)
     assert_one_line_error(proc.returncode, proc.stderr, "corrupt")
     assert proc.stdout == ""
+
+
+# ---- threads: --threads and --thread-spinning reach both sessions ----------------------------
+
+ALLOW_SPINNING = "session.intra_op.allow_spinning"
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[Generator]:
+    """The Generators that the command run in the test opens, in order."""
+    generators = []
+    from_bundle = Generator.from_bundle.__func__
+
+    def recording(cls, *args, **kwargs):
+        generators.append(from_bundle(cls, *args, **kwargs))
+        return generators[-1]
+
+    monkeypatch.setattr(Generator, "from_bundle", classmethod(recording))
+    return generators
+
+
+def threads_of(gen: Generator) -> list[tuple[int, str]]:
+    """(intra-op threads, allow_spinning) of the target's and the draft's sessions."""
+    return [(o.intra_op_num_threads, o.get_session_config_entry(ALLOW_SPINNING))
+            for o in (b.session.get_session_options() for b in (gen.target, gen.draft))]
+
+
+@pytest.mark.parametrize("flag, allow", [("off", "0"), ("on", "1")])
+def test_generate_thread_flags_reach_both_sessions(capsys, tiny_bundle, api, opened, flag,
+                                                   allow):
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 12, "--threads", 1,
+                               "--thread-spinning", flag)
+    assert code == 0, err
+    assert threads_of(opened[0]) == [(1, allow)] * 2
+    assert json.loads(out)["token_ids"] == api.generate(PROMPT, max_new_tokens=12).token_ids
+
+
+def test_chat_thread_flags_reach_both_sessions(capsys, monkeypatch, tiny_bundle, opened):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/exit\n"))
+    code, _, err = call_main(capsys, "chat", "--bundle", tiny_bundle, "--threads", 2,
+                             "--thread-spinning", "off")
+    assert code == 0, err
+    assert threads_of(opened[0]) == [(2, "0")] * 2
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_bad_thread_spinning_is_one_line(capsys, tiny_bundle, command):
+    code, out, err = call_main(capsys, command, "--bundle", tiny_bundle,
+                               "--thread-spinning", "1")
+    assert_one_line_error(code, err, "--thread-spinning", "expected 'on' or 'off'")
+    assert out == ""
+
+
+def test_serve_thread_flags_reach_both_sessions(tiny_bundle):
+    pytest.importorskip("starlette", reason="specedge serve needs the serve extra")
+    from specedge.serve.app import Server
+    from specedge.serve.cli import _settings, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    settings = _settings(parser.parse_args(["--bundle", str(tiny_bundle), "--threads", "1",
+                                            "--thread-spinning", "off"]))
+    assert (settings.threads, settings.spinning) == (1, False)
+    # The app's own loader (the one `build_app` uses) opens the bundle with them.
+    assert threads_of(Server(settings).engine.load()) == [(1, "0")] * 2
 
 
 # ---- export ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from specedge.export.graph.rotary import (
     rope_type,
     rotary_dim,
 )
+from specedge.export.graph.skip_norm import skip_rms_norm
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,28 @@ class Decoder(nn.Module):
         self.windows = self.sliding_windows()
         self.prepare()
 
+    # Pre-norm layers whose residual adds can go into the norms after them on ONNX Runtime
+    # (graph/skip_norm.py): the Llama layout's own residual; families that change it say no.
+    skip_norms = False
+
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
         x = self.embed(input_ids, position_ids)
         inputs = self.layer_inputs(x, input_ids, position_ids, past_length, past)
         presents, layer_outputs = [], []
+        pending = None  # with skip norms: a block's output not yet added to x
         for i, layer in enumerate(self.layers):
-            x, k, v = self.layer_step(layer, x, past[2 * i], past[2 * i + 1], inputs[i])
+            if self.fused and self.skip_norms:
+                x, pending, k, v = self.skip_norm_layer(layer, x, pending, past[2 * i],
+                                                        past[2 * i + 1], inputs[i])
+                if i in self.feature_layers:
+                    layer_outputs.append(x + pending)
+            else:
+                x, k, v = self.layer_step(layer, x, past[2 * i], past[2 * i + 1], inputs[i])
+                if i in self.feature_layers:
+                    layer_outputs.append(x)
             presents += [k, v]
-            if i in self.feature_layers:
-                layer_outputs.append(x)
+        if pending is not None:
+            x = x + pending
         if not self.features:
             return (self.logits(self.norm(last_positions(x, logits_to_keep))), *presents)
         final = self.norm(x)
@@ -133,6 +147,21 @@ class Decoder(nn.Module):
         h = cls.attention_input(layer, x)
         o, k, v = cls.attention(layer, h, past_k, past_v, inputs)
         return cls.residual(layer, x, h, o), k, v
+
+    @classmethod
+    def skip_norm_layer(cls, layer: nn.Module, x: torch.Tensor, pending: torch.Tensor | None,
+                        past_k: torch.Tensor, past_v: torch.Tensor, inputs: FusedInputs
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`layer_step` with each residual add inside the norm that reads the sum
+        (graph/skip_norm.py): the residual stream is x + pending, pending the previous
+        layer's MLP output (None before the first layer). Returns (x, pending, K, V)."""
+        if pending is None:
+            h = cls.attention_input(layer, x)
+        else:
+            h, x = skip_rms_norm(pending, x, layer.input_layernorm)
+        o, k, v = cls.attention(layer, h, past_k, past_v, inputs)
+        h, x = skip_rms_norm(layer.self_attn.o_proj(o), x, layer.post_attention_layernorm)
+        return x, gated_mlp(layer.mlp, h), k, v
 
     # Hooks on the model.
 

@@ -22,6 +22,8 @@ class LlamaFamilyDecoder(Decoder):
     attention, sliding windows where the config has them (module docstring). The only
     family whose graphs can output features for a feature draft (`features`)."""
 
+    skip_norms = True
+
     def sliding_windows(self) -> list[int | None]:
         return layer_windows(self.model.config)
 

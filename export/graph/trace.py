@@ -34,7 +34,7 @@ OPSET = 21
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 5
+GRAPH_REVISION = 6
 # The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
 # family's hooks.
 DECODERS: dict[str, type[Decoder]] = {

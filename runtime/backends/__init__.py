@@ -14,7 +14,7 @@ import numpy as np
 
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import KV_LAYOUT_IN_PLACE, Bundle, ModelSpec
-from specedge.runtime.config import check_threads
+from specedge.runtime.config import DEFAULT_SPINNING, check_spinning, check_threads
 from specedge.runtime.errors import BackendUnavailableError
 
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "host-emulated")
@@ -52,9 +52,11 @@ class Backend(Protocol):
                 logits_to_keep: int = 1) -> np.ndarray: ...
 
 
-def load_backend(name: str, bundle: Bundle, role: str,
-                 threads: int | None = None) -> Backend:
-    """The backend called `name` for the bundle's `role` graph ("target" or "draft").
+def load_backend(name: str, bundle: Bundle, role: str, threads: int | None = None,
+                 spinning: bool = DEFAULT_SPINNING) -> Backend:
+    """The backend called `name` for the bundle's `role` graph ("target" or "draft"), with
+    `threads` ONNX Runtime CPU threads that spin while they wait for work when `spinning`
+    (ort-cpu and host-emulated; a GPU backend's session runs on its device).
 
     Devices are opened when asked for, so a missing GPU, driver or package is a
     BackendUnavailableError that names what to install, or 'ort-cpu' as what works.
@@ -62,6 +64,7 @@ def load_backend(name: str, bundle: Bundle, role: str,
     what CI runs in place of a GPU.
     """
     check_threads(threads)
+    check_spinning(spinning)
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     try:
@@ -75,7 +78,7 @@ def load_backend(name: str, bundle: Bundle, role: str,
         # Only the target's rows must agree with verification calls (ort_cpu.py); a draft's
         # one-token steps need not, so they run as one row.
         return OrtCpuBackend(spec, threads, one_token_as_two=None if role == "target"
-                             else False)
+                             else False, spinning=spinning)
     if spec.kv_layout == KV_LAYOUT_IN_PLACE:
         raise BackendUnavailableError(
             f"this bundle's {role} graph uses ONNX Runtime's CPU attention (KV layout "
@@ -93,7 +96,7 @@ def load_backend(name: str, bundle: Bundle, role: str,
 
     if name == "host-emulated":
         memory = HostMemory()
-        return DeviceBackend(name, spec, OrtEngine(spec, "cpu", threads), memory,
+        return DeviceBackend(name, spec, OrtEngine(spec, "cpu", threads, spinning), memory,
                              HostSampler(memory))
     if name == "ort-cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         raise BackendUnavailableError(

@@ -24,6 +24,7 @@ import numpy as np
 
 from specedge.runtime.backends.memory import cuda_check
 from specedge.runtime.bundle import ModelSpec
+from specedge.runtime.config import DEFAULT_SPINNING
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 
 ORT_MAX_TOKENS = 512  # longer prompts are prefilled in chunks: bounds the presents buffer
@@ -42,12 +43,13 @@ class TensorBinding:
 class OrtEngine:
     """ONNX Runtime on `device` "cpu" (host memory) or "cuda" (device memory)."""
 
-    def __init__(self, spec: ModelSpec, device: str = "cpu", threads: int | None = None):
+    def __init__(self, spec: ModelSpec, device: str = "cpu", threads: int | None = None,
+                 spinning: bool = DEFAULT_SPINNING):
         from specedge.runtime.backends.ort_cpu import open_session
 
         provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[device]
         self.device = device
-        self.session = open_session(spec, threads, provider)
+        self.session = open_session(spec, threads, provider, spinning)
         self.max_tokens, self.max_keep = ORT_MAX_TOKENS, ORT_MAX_KEEP
         self._bindings: dict[tuple, object] = {}
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE, ModelSpec
+from specedge.runtime.config import DEFAULT_SPINNING
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 from specedge.runtime.kv_cache import KVCache, check_call
 
@@ -49,7 +50,7 @@ class OrtCpuBackend:
     name = "ort-cpu"
 
     def __init__(self, spec: ModelSpec, threads: int | None = None,
-                 one_token_as_two: bool | None = None):
+                 one_token_as_two: bool | None = None, spinning: bool = DEFAULT_SPINNING):
         self.spec = spec
         # GroupQueryAttention (and 4-bit MatMulNBits on some CPUs) compute a one-row call on
         # another kernel path than the rows of a multi-row call, and int8 activations grow
@@ -63,7 +64,7 @@ class OrtCpuBackend:
         # grows (a new cache object is bound at its first call); an in-place graph reads
         # only the valid rows, so growing would only copy.
         self.grows_cache = spec.kv_layout != KV_LAYOUT_IN_PLACE
-        self.session = open_session(spec, threads, "CPUExecutionProvider")
+        self.session = open_session(spec, threads, "CPUExecutionProvider", spinning)
         self._inputs, self._outputs = spec.io()
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
@@ -166,8 +167,11 @@ def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
                               "re-export the bundle")
 
 
-def open_session(spec: ModelSpec, threads: int | None, provider: str):
-    """An ONNX Runtime session for one graph of a bundle, checked against the contract."""
+def open_session(spec: ModelSpec, threads: int | None, provider: str,
+                 spinning: bool = DEFAULT_SPINNING):
+    """An ONNX Runtime session for one graph of a bundle, checked against the contract;
+    `threads` intra-op threads (None: ONNX Runtime's choice, one per physical core) that
+    spin while they wait for work when `spinning`."""
     import onnxruntime as ort
 
     here = tuple(int(p) for p in ort.__version__.split(".")[:2])
@@ -181,11 +185,8 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = threads
-    # Target and draft run one after the other, each with its own thread pool. A pool
-    # busy-waits (spins) for more work after its run by default, taking the cores the other
-    # session's run needs: on 2 cores that made a K=2 step run at 0.6x plain decoding, and
-    # 0.86x once pools stop spinning at the end of a run (they still spin inside it).
-    options.add_session_config_entry("session.force_spinning_stop", "1")
+    for key, value in spinning_entries(spinning).items():
+        options.add_session_config_entry(key, value)
     try:
         session = ort.InferenceSession(str(spec.path), options,
                                        providers=[(provider, PROVIDER_OPTIONS.get(provider, {}))])
@@ -194,3 +195,19 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str):
                           "corrupt or not an ONNX graph: re-export the bundle") from e
     _check_graph(session, spec, spec.io()[0])
     return session
+
+
+def spinning_entries(spinning: bool) -> dict[str, str]:
+    """The session config entries of `spinning`.
+
+    A pool's threads that wait for work spin (busy-wait) for a while before they sleep, in
+    ONNX Runtime's default, which shortens the wait for the next parallel section but keeps
+    them on the cores. Off, they sleep at once: on a device whose cores also run other
+    processes, spinning threads take the cores that the thread doing the work needs
+    (docs/design.md#threads). On, the pools still stop spinning at the end of each run:
+    target and draft run one after the other, each with its own pool, and a pool that spins
+    after its run takes the cores the other session's run needs (on 2 cores that made a
+    K=2 step run at 0.6x plain decoding, and 0.86x once pools stopped at the end of a run).
+    Off, that stop changes nothing, as a pool that may not spin never does."""
+    return {"session.intra_op.allow_spinning": "1" if spinning else "0",
+            "session.force_spinning_stop": "1"}

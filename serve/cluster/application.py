@@ -27,6 +27,7 @@ config whose import_path is `specedge.serve.cluster:app_builder` (args: the name
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -35,7 +36,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from specedge.cli_common import draft_tokens_arg
+from specedge.cli_common import draft_tokens_arg, on_off_arg
 from specedge.serve.app import ServerSettings
 from specedge.serve.cluster.ingress import Ingress
 from specedge.serve.cluster.replica import GeneratorReplica
@@ -118,12 +119,10 @@ def _settings(kind, args: dict[str, str]):
     for name in [n for n in args if n in known]:
         value, default = args[name], known[name].default
         if isinstance(value, str):
-            if name == "threads":
-                value = int(value)
-            elif name == "draft_tokens":
-                value = draft_tokens_arg(value)
-            elif isinstance(default, (int, float)):
-                value = type(default)(value)
+            try:
+                value = _converted(name, value, default)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{name}: {e}") from None
         values[name] = value
     unknown = set(args) - {f.name for f in fields(ServerSettings)} \
         - {f.name for f in fields(ClusterSettings)}
@@ -132,6 +131,19 @@ def _settings(kind, args: dict[str, str]):
                          f"{sorted(f.name for f in fields(ServerSettings))} and "
                          f"{sorted(f.name for f in fields(ClusterSettings))}")
     return kind(**values)
+
+
+def _converted(name: str, value: str, default: object) -> object:
+    """`value`, a string given for the field `name`, as that field's type (the default's)."""
+    if name == "threads":
+        return int(value)
+    if name == "draft_tokens":
+        return draft_tokens_arg(value)
+    if isinstance(default, bool):  # before int: a bool is one; "on" or "off", as the flag
+        return on_off_arg(value)
+    if isinstance(default, (int, float)):
+        return type(default)(value)
+    return value
 
 
 def run_cluster(address: str, settings: ServerSettings, cluster: ClusterSettings,

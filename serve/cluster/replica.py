@@ -73,7 +73,8 @@ class GeneratorReplica:
 
     def __init__(self, settings: ServerSettings):
         self.generator = Generator.from_bundle(settings.bundle, backend=settings.backend,
-                                               threads=settings.threads)
+                                               threads=settings.threads,
+                                               spinning=settings.spinning)
         # Every step of every generation runs on this one thread, in order.
         self.steps = ThreadPoolExecutor(1, thread_name_prefix="specedge-steps")
         self.steps.submit(self._one_token).result()  # the first request pays no warm-up

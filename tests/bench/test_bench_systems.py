@@ -187,9 +187,11 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_baselines_and_rounds_flags():
-    assert parse().baselines == ["transformers", "llama.cpp"] == list(BASELINES)
+    assert parse().baselines == ["transformers", "llama.cpp", "onnxruntime-genai"] == list(
+        BASELINES)
     assert parse("--baselines").baselines == []
     assert parse("--baselines", "llama.cpp").baselines == ["llama.cpp"]
+    assert parse("--baselines", "onnxruntime-genai").baselines == ["onnxruntime-genai"]
     assert parse("--baselines", "llama.cpp", "transformers").baselines == [
         "llama.cpp", "transformers"]
     assert parse().rounds == 3 and parse("--rounds", "9").rounds == 9

@@ -60,6 +60,10 @@ def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
     assert (cluster.min_replicas, cluster.max_replicas, cluster.upscale_delay) == (1, 3, 5.0)
     assert cluster.downscale_delay == ClusterSettings.downscale_delay
     assert _settings(ServerSettings, {**args, "draft_tokens": "3"}).draft_tokens == 3
+    assert _settings(ServerSettings, {**args, "spinning": "off"}).spinning is False
+    assert _settings(ServerSettings, {**args, "spinning": "on"}).spinning is True
+    with pytest.raises(ValueError, match="spinning: expected 'on' or 'off'"):
+        _settings(ServerSettings, {**args, "spinning": "yes"})
     with pytest.raises(ValueError, match="unknown arguments.*'replica'"):
         _settings(ServerSettings, {**args, "replica": "2"})
     with pytest.raises(ValueError, match="give the bundle"):
