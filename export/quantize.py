@@ -110,8 +110,11 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
                       importance: dict[str, np.ndarray] | None = None) -> None:
     """int8: every MatMul weight -> MatMulNBits at 8 bits, every embedding Gather ->
     GatherBlockQuantized at 8 bits (`_embedding_8bit`). int4: the LM head at 8 bits, every
-    other MatMul weight centred on its blocks' offsets (`_centre_blocks`) and at 4 bits,
-    the embedding at 4 bits. In place, one weight in memory at a time."""
+    other MatMul weight centred on its blocks' offsets (`_centre_blocks`) and at 4 bits, or
+    with `int4_grid` "search" at 4 bits with searched zero points (`_searched_matmul`,
+    errors weighed by `importance` [activation name -> [K]] where given); the embedding at 4
+    bits. In place, one weight in memory at a time."""
+    importance = importance or {}
     graph = model.graph
     uses = Counter(name for node in graph.node for name in node.input)
     uses.update(i.name for i in graph.input)  # an initializer a caller may override stays
@@ -129,16 +132,13 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
         # The quantizer reads the weight from the graph: bring this one into memory.
         if is_external(weight):
             onnx.external_data_helper.load_external_data_for_tensor(weight, str(folder))
+        bits = 8 if precision == "int8" or node.name in heads else 4
+        on_blocks = node.op_type == "MatMul" and bits == 4 and weight.dims[0] % BLOCK_SIZE == 0
         if node.op_type == "Gather" and precision == "int8":
             new = [_embedding_8bit(graph, node, weight)]
+        elif on_blocks and int4_grid == "search":
+            new = [_searched_matmul(graph, node, weight, importance.get(node.input[0]))]
         else:
-            bits = 8 if precision == "int8" or node.name in heads else 4
-            on_blocks = node.op_type == "MatMul" and bits == 4 and weight.dims[0] % BLOCK_SIZE == 0
-            if on_blocks and int4_grid == "search":
-                nodes.append(_searched_matmul(graph, node, weight,
-                                              (importance or {}).get(node.input[0])))
-                graph.initializer.remove(weight)
-                continue
             added = _centre_blocks(graph, node, weight) if on_blocks else []
             key = (bits, node.op_type)
             if key not in quantizers:
