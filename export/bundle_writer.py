@@ -90,7 +90,8 @@ def _fingerprint(source: str | None) -> str | None:
 
 def export_args(model: str, draft: str | None, draft_layers: int | None,
                 max_context: int | None, precision: str, attention: str = "auto",
-                draft_head_tokens: int | str | None = None, int4_grid: str = "exact") -> dict:
+                draft_head_tokens: int | str | None = None, int4_grid: str = "exact",
+                int4_block: int = 32, int4_head_bits: int = 8) -> dict:
     """What a bundle was made from: an up-to-date bundle has exactly these."""
     args = {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
             "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
@@ -99,6 +100,8 @@ def export_args(model: str, draft: str | None, draft_layers: int | None,
     # Bundles of the original int4 grid keep their arguments (and stay up to date).
     if int4_grid != "exact":
         args["int4_grid"] = int4_grid
+    if (int4_block, int4_head_bits) != (32, 8):
+        args["int4_block"], args["int4_head_bits"] = int4_block, int4_head_bits
     # Only a truncated or checkpoint draft takes a head subset: other bundles keep their
     # arguments (and stay up to date).
     if draft_kind(draft, draft_layers) in HEAD_SUBSET_DRAFTS:
@@ -123,7 +126,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
                   precision: str = "fp32", verify: bool = False, force: bool = False,
                   attention: str = "auto", draft_head_tokens: int | str | None = None,
-                  int4_grid: str = "exact") -> dict:
+                  int4_grid: str = "exact", int4_block: int = 32,
+                  int4_head_bits: int = 8) -> dict:
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless
@@ -136,13 +140,15 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     (fused for int8 and int4 Llama-family graphs). `draft_head_tokens`: how many tokens a
     truncated or checkpoint draft's head scores, an integer, "all", or "auto"/None
     (drafts/truncated.py `draft_head_size`). `int4_grid`: how int4 holds a weight
-    (export/quantize.py `INT4_GRIDS`). The same as `write_bundle` with these as its
+    (export/quantize.py `INT4_GRIDS`); `int4_block` and `int4_head_bits`: its block and the
+    LM head's bits (`INT4_BLOCKS`, `INT4_HEAD_BITS`). The same as `write_bundle` with these as its
     ExportSettings.
     """
     return write_bundle(ExportSettings(
         model=model, out=out, draft=draft, draft_layers=draft_layers,
         max_context=max_context, precision=precision, verify=verify, force=force,
-        attention=attention, draft_head_tokens=draft_head_tokens, int4_grid=int4_grid))
+        attention=attention, draft_head_tokens=draft_head_tokens, int4_grid=int4_grid,
+        int4_block=int4_block, int4_head_bits=int4_head_bits))
 
 
 def write_bundle(settings: ExportSettings) -> dict:
@@ -152,7 +158,8 @@ def write_bundle(settings: ExportSettings) -> dict:
 
     source = export_args(settings.model, settings.draft, settings.draft_layers,
                          settings.max_context, settings.precision, settings.attention,
-                         settings.draft_head_tokens, settings.int4_grid)
+                         settings.draft_head_tokens, settings.int4_grid, settings.int4_block,
+                         settings.int4_head_bits)
     if not settings.force and is_current(settings.out, source):
         print(f"bundle {settings.out} is up to date (use --force to re-export)",
               file=sys.stderr)
@@ -352,7 +359,8 @@ def _quantize(run: ExportRun, settings: ExportSettings, graphs: _Graphs,
     with run.step("quantize"):
         for role in facts.configs:
             quantize_graph(graphs.fp32[role], graphs.final[role], settings.precision,
-                           settings.int4_grid, facts.calibration)
+                           settings.int4_grid, facts.calibration, settings.int4_block,
+                           settings.int4_head_bits)
         report = quantization_report(
             graphs.fp32["target"], graphs.final["target"], model_dims_of(facts.configs["target"]),
             facts.prompt, text_ids(facts.tokenizer, PERPLEXITY_TEXT))

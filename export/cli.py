@@ -50,6 +50,13 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "extra product (a GGUF Q4_1 model's weights exactly); search picks an "
                    "integer zero point per block (one MatMulNBits per weight: faster, a small "
                    "approximation)")
+    p.add_argument("--int4-block", type=int, choices=(32, 64, 128), default=32,
+                   help="int4 only: weights a block shares a scale and zero point with "
+                   "(default 32, GGUF's Q4_1 block, which the exact grid holds; larger blocks "
+                   "run faster and approximate more)")
+    p.add_argument("--int4-head-bits", type=int, choices=(8, 4), default=8,
+                   help="int4 only: bits of the LM head's weights (default 8, as llama.cpp "
+                   "keeps its output tensor; 4 runs faster and approximates more)")
     p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
                    help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
                    "cache in place and reads only its valid rows (ort-cpu only; not Gemma "
@@ -182,7 +189,9 @@ def export_settings(args: argparse.Namespace, model: str) -> ExportSettings:
         model=model, out=args.out, draft=args.draft, draft_layers=args.draft_layers,
         draft_head_tokens=getattr(args, "draft_head_tokens", "auto"),
         max_context=args.max_context, precision=args.precision,
-        int4_grid=getattr(args, "int4_grid", "exact"), attention=args.attention,
+        int4_grid=getattr(args, "int4_grid", "exact"),
+        int4_block=getattr(args, "int4_block", 32),
+        int4_head_bits=getattr(args, "int4_head_bits", 8), attention=args.attention,
         verify=args.verify, force=args.force)
 
 

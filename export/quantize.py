@@ -43,6 +43,12 @@ from specedge.runtime.stats import next_token_nll
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZE = 32
+# int4's block along the reduction axis (`--int4-block`) and the LM head's bits
+# (`--int4-head-bits`): the defaults are GGUF's Q4_1 block, which the exact grid holds, and
+# llama.cpp's 8-bit output tensor. Larger blocks and a 4-bit head run faster and cost
+# quality (docs/export.md#int4-blocks-and-the-lm-head).
+INT4_BLOCKS = (32, 64, 128)
+INT4_HEAD_BITS = (8, 4)
 # Tokens per call of the quality report's perplexity: memory is one chunk's logits (32 x
 # 262144 float64 = 64 MB at Gemma 3's vocabulary), not the whole text's.
 PERPLEXITY_CHUNK = 32
@@ -66,9 +72,12 @@ INT4_GRIDS = ("exact", "search")
 
 
 def quantize_graph(source: Path, path: Path, precision: str, int4_grid: str = "exact",
-                   calibration_ids: list[int] | None = None) -> None:
+                   calibration_ids: list[int] | None = None, int4_block: int = BLOCK_SIZE,
+                   int4_head_bits: int = 8) -> None:
     """Write the fp32 graph at `source` in `precision` at `path` (and its data file when the
-    result is large: export/onnx_files.py).
+    result is large: export/onnx_files.py). int4 only: `int4_block` weights a block along
+    the reduction axis (INT4_BLOCKS) and `int4_head_bits` bits for the LM head
+    (INT4_HEAD_BITS).
 
     int8 and int4 go one weight at a time: each MatMul or Gather weight is read from
     `source`'s files, quantized and dropped before the next, so that memory holds the
@@ -91,10 +100,16 @@ def quantize_graph(source: Path, path: Path, precision: str, int4_grid: str = "e
         if int4_grid not in INT4_GRIDS:
             raise ValueError(f"int4_grid must be one of {', '.join(INT4_GRIDS)}, "
                              f"got {int4_grid!r}")
+        if int4_block not in INT4_BLOCKS or int4_head_bits not in INT4_HEAD_BITS:
+            raise ValueError(f"the int4 block must be one of {INT4_BLOCKS} and the head's "
+                             f"bits one of {INT4_HEAD_BITS}, got {int4_block}, "
+                             f"{int4_head_bits}")
         importance = None
         if precision == "int4" and int4_grid == "search" and calibration_ids:
             importance = mean_squares(source, model, _matmul_inputs(model), calibration_ids)
-        _quantize_weights(model, folder, precision, int4_grid, importance or {})
+        block, head_bits = (int4_block, int4_head_bits) if precision == "int4" else (BLOCK_SIZE, 8)
+        _quantize_weights(model, folder, precision, int4_grid, importance or {}, block,
+                          head_bits)
     save_graph(model, folder, path)
 
 
@@ -107,9 +122,11 @@ def _matmul_inputs(model: onnx.ModelProto) -> list[str]:
 
 def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
                       int4_grid: str = "exact",
-                      importance: dict[str, np.ndarray] | None = None) -> None:
+                      importance: dict[str, np.ndarray] | None = None,
+                      block: int = BLOCK_SIZE, head_bits: int = 8) -> None:
     """int8: every MatMul weight -> MatMulNBits at 8 bits, every embedding Gather ->
-    GatherBlockQuantized at 8 bits (`_embedding_8bit`). int4: the LM head at 8 bits, every
+    GatherBlockQuantized at 8 bits (`_embedding_8bit`). int4 (blocks of `block`): the LM
+    head at `head_bits` bits, every
     other MatMul weight centred on its blocks' offsets (`_centre_blocks`) and at 4 bits, or
     with `int4_grid` "search" at 4 bits with searched zero points (`_searched_matmul`,
     errors weighed by `importance` [activation name -> [K]] where given); the embedding at 4
@@ -132,17 +149,18 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
         # The quantizer reads the weight from the graph: bring this one into memory.
         if is_external(weight):
             onnx.external_data_helper.load_external_data_for_tensor(weight, str(folder))
-        bits = 8 if precision == "int8" or node.name in heads else 4
-        on_blocks = node.op_type == "MatMul" and bits == 4 and weight.dims[0] % BLOCK_SIZE == 0
+        bits = 8 if precision == "int8" else head_bits if node.name in heads else 4
+        on_blocks = node.op_type == "MatMul" and bits == 4 and weight.dims[0] % block == 0
         if node.op_type == "Gather" and precision == "int8":
             new = [_embedding_8bit(graph, node, weight)]
         elif on_blocks and int4_grid == "search":
-            new = [_searched_matmul(graph, node, weight, importance.get(node.input[0]))]
+            new = [_searched_matmul(graph, node, weight, importance.get(node.input[0]), block)]
         else:
-            added = _centre_blocks(graph, node, weight) if on_blocks else []
+            added = _centre_blocks(graph, node, weight, block) if on_blocks else []
             key = (bits, node.op_type)
             if key not in quantizers:
-                quantizers[key] = _node_quantizer(bits, node.op_type)
+                quantizers[key] = _node_quantizer(bits, node.op_type,
+                                                  block if on_blocks else BLOCK_SIZE)
             new = quantizers[key].quantize(node, [graph]) + added
         nodes += new
         if all(weight.name not in n.input for n in new):  # replaced, not skipped
@@ -158,8 +176,8 @@ def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 
 
-def _node_quantizer(bits: int, op: str):
-    """onnxruntime's quantizer of one node: blocks of BLOCK_SIZE along the reduction axis
+def _node_quantizer(bits: int, op: str, block: int = BLOCK_SIZE):
+    """onnxruntime's quantizer of one node: blocks of `block` along the reduction axis
     (MatMul's K, an embedding row) with a scale and an integer zero point each;
     accuracy_level 4 lets the CPU kernels compute with int8 activations."""
     from onnxruntime.quantization import matmul_nbits_quantizer as nbits
@@ -168,20 +186,21 @@ def _node_quantizer(bits: int, op: str):
     # progress bar; warnings still show.
     nbits.logger.setLevel(logging.WARNING)
     return nbits.DefaultWeightOnlyQuantizer(nbits.DefaultWeightOnlyQuantConfig(
-        block_size=BLOCK_SIZE, is_symmetric=False, accuracy_level=4, bits=bits,
+        block_size=block, is_symmetric=False, accuracy_level=4, bits=bits,
         op_types_to_quantize=(op,), quant_axes=(("MatMul", 0), ("Gather", 1))))
 
 
 def _searched_matmul(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto,
-                     importance: np.ndarray | None = None) -> onnx.NodeProto:
+                     importance: np.ndarray | None = None,
+                     block: int = BLOCK_SIZE) -> onnx.NodeProto:
     """The MatMul `node` of the constant [K, N] `weight` (in memory) as one MatMulNBits at 4
-    bits with integer zero points found by `search_int4` (errors weighed by `importance`
-    [K] when given); adds its tensors to `graph`."""
+    bits, blocks of `block`, with integer zero points found by `search_int4` (errors weighed
+    by `importance` [K] when given); adds its tensors to `graph`."""
     from specedge.export.int4_blocks import matmul_nbits_arrays, search_int4
 
     k, n = weight.dims
     packed, scales, zero_points = matmul_nbits_arrays(
-        search_int4(onnx.numpy_helper.to_array(weight), BLOCK_SIZE, importance))
+        search_int4(onnx.numpy_helper.to_array(weight), block, importance))
     name = weight.name
     graph.initializer.extend([onnx.numpy_helper.from_array(packed, f"{name}_Q4"),
                               onnx.numpy_helper.from_array(scales, f"{name}_scales"),
@@ -189,11 +208,11 @@ def _searched_matmul(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.
     return onnx.helper.make_node(
         "MatMulNBits", [node.input[0], f"{name}_Q4", f"{name}_scales", f"{name}_zero_points"],
         list(node.output), name=f"{node.name or name}_Q4", domain="com.microsoft",
-        K=k, N=n, bits=4, block_size=BLOCK_SIZE, accuracy_level=4)
+        K=k, N=n, bits=4, block_size=block, accuracy_level=4)
 
 
-def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto,
-                   weight: onnx.TensorProto) -> list[onnx.NodeProto]:
+def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto,
+                   block: int = BLOCK_SIZE) -> list[onnx.NodeProto]:
     """Prepare the MatMul `node` for Q4_1's grid: centre its `weight` (in memory) on each
     block's offset, in place, and return the nodes that add the offsets' product back.
 
@@ -213,14 +232,14 @@ def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto,
     the main product's work).
     """
     k, n = weight.dims
-    blocks = onnx.numpy_helper.to_array(weight).reshape(k // BLOCK_SIZE, BLOCK_SIZE, n)
+    blocks = onnx.numpy_helper.to_array(weight).reshape(k // block, block, n)
     low, high = blocks.min(axis=1), blocks.max(axis=1)
     offsets = low + 8 * (high - low) / 15
     weight.CopyFrom(onnx.numpy_helper.from_array(
         (blocks - offsets[:, None]).reshape(k, n).astype(np.float32), weight.name))
     graph.initializer.extend([
         onnx.numpy_helper.from_array(offsets.astype(np.float32), f"{weight.name}_block_offset"),
-        onnx.numpy_helper.from_array(np.array([-1, k // BLOCK_SIZE, BLOCK_SIZE]),
+        onnx.numpy_helper.from_array(np.array([-1, k // block, block]),
                                      f"{weight.name}_blocks")])
     if not any(i.name == "specedge_last_axis" for i in graph.initializer):
         graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1]),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specedge.export.distill.draft_folder import is_distilled_draft
-from specedge.export.quantize import INT4_GRIDS, PRECISIONS
+from specedge.export.quantize import INT4_BLOCKS, INT4_GRIDS, INT4_HEAD_BITS, PRECISIONS
 
 # Drafts whose head can score a subset of the tokens (`--draft-head-tokens`): the target's
 # first layers and a checkpoint. A distilled draft scores its own head tokens.
@@ -38,7 +38,8 @@ class ExportSettings:
     target's first N layers (not both). `draft_head_tokens`: how many tokens a truncated or
     checkpoint draft's head scores, an integer, "all", or "auto" (None means "auto").
     `max_context`: a cap on the context recorded in the bundle. `precision`: the weights of
-    both graphs. `int4_grid`: how int4 holds a weight (export/quantize.py `INT4_GRIDS`).
+    both graphs. `int4_grid`: how int4 holds a weight (export/quantize.py `INT4_GRIDS`),
+    `int4_block` weights a block and `int4_head_bits` the LM head's bits at int4.
     `attention`: "fused", "portable" or "auto". `verify`: compare the graphs with
     transformers. `force`: export even when `out` is up to date.
     """
@@ -51,6 +52,8 @@ class ExportSettings:
     max_context: int | None = None
     precision: str = "fp32"
     int4_grid: str = "exact"
+    int4_block: int = 32
+    int4_head_bits: int = 8
     attention: str = "auto"
     verify: bool = False
     force: bool = False
@@ -69,6 +72,14 @@ class ExportSettings:
                              f"got {self.int4_grid!r}")
         if self.int4_grid != "exact" and self.precision != "int4":
             raise ValueError(f"--int4-grid {self.int4_grid} applies to --precision int4 only")
+        if self.int4_block not in INT4_BLOCKS:
+            raise ValueError(f"--int4-block must be one of {', '.join(map(str, INT4_BLOCKS))}, "
+                             f"got {self.int4_block!r}")
+        if self.int4_head_bits not in INT4_HEAD_BITS:
+            raise ValueError("--int4-head-bits must be one of "
+                             f"{', '.join(map(str, INT4_HEAD_BITS))}, got {self.int4_head_bits!r}")
+        if (self.int4_block, self.int4_head_bits) != (32, 8) and self.precision != "int4":
+            raise ValueError("--int4-block and --int4-head-bits apply to --precision int4 only")
         if self.draft is not None and self.draft_layers is not None:
             raise ValueError("pass --draft or --draft-layers, not both")
         if self.max_context is not None and (

@@ -17,11 +17,12 @@ DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 # `draft_tokens="auto"` picks K in [0, AUTO_MAX_K] before every step (drafting/auto_k.py).
 AUTO_MAX_K = 8
 DEFAULT_DRAFTER = "lookup+model"  # matched or beat the model alone in every bench category
-# Whether ONNX Runtime's intra-op threads spin while they wait for work. Off: on a 2-core
-# EPYC with other processes on the cores it ran 1.2-2.3x the speed of spinning threads, and
-# 0.77-0.88x on a quiet machine; no setting measured came closer to the best in every case
+# Whether ONNX Runtime's intra-op threads spin while they wait for work: True, False, or
+# "auto": spin while other processes leave the CPUs idle (runtime/cpu_load.py). On a 2-core
+# EPYC, spinning decoded 1.3x faster on a quiet machine, and not spinning 1.2-2.3x faster
+# with other processes on the cores; auto is the faster of the two in either case
 # (docs/design.md#threads).
-DEFAULT_SPINNING = False
+DEFAULT_SPINNING = "auto"
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,12 @@ def check_threads(threads: int | None) -> int | None:
     return threads
 
 
-def check_spinning(spinning: object) -> bool:
-    """Whether ONNX Runtime's intra-op threads spin while they wait for work
-    (its session option `session.intra_op.allow_spinning`)."""
-    if not isinstance(spinning, bool):
-        raise ValueError(f"spinning must be True or False (whether ONNX Runtime's threads "
-                         f"spin while they wait for work), got {spinning!r}")
+def check_spinning(spinning: object) -> bool | str:
+    """Whether ONNX Runtime's intra-op threads spin while they wait for work (its session
+    option `session.intra_op.allow_spinning`): True, False or "auto" (DEFAULT_SPINNING)."""
+    if not (isinstance(spinning, bool) or spinning == "auto"):
+        raise ValueError(f"spinning must be True, False or 'auto' (whether ONNX Runtime's "
+                         f"threads spin while they wait for work), got {spinning!r}")
     return spinning
 
 

@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Generator as PieceGenerator
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from specedge.runtime.backends import load_backend
+from specedge.runtime import cpu_load
+from specedge.runtime.backends import CPU_THREAD_BACKENDS, load_backend
 from specedge.runtime.bundle import Bundle, load_bundle
-from specedge.runtime.config import DEFAULT_SPINNING, GenerationConfig
+from specedge.runtime.config import DEFAULT_SPINNING, GenerationConfig, check_spinning
 from specedge.runtime.drafting import (
     Drafter,
     FeatureDrafter,
@@ -49,6 +50,16 @@ def context_limit(bundle, config: GenerationConfig) -> int:
             make_drafter(config.drafter, None)  # raises the message that says what to do
         limits.append(bundle.draft.max_context)
     return min(limits)
+
+
+@dataclass
+class _AutoSpinning:
+    """Spinning "auto": the meter of the others' CPU use, and how to open the models with a
+    given spinning (`Generator._follow_load`)."""
+
+    meter: cpu_load.LoadMeter
+    open_models: Callable[[bool], tuple]
+    wanted: bool | None = None  # what the latest reading calls for
 
 
 @dataclass
@@ -92,15 +103,13 @@ class Generator:
 
     def __init__(self, bundle, target, draft, codec: TextCodec, threads: int | None = None):
         self.bundle = bundle
-        self.target = target
-        self.draft = draft
         self.codec = codec
         self.last_result: GenerationResult | None = None
-        self._cache = None  # the target's KV cache, reused by the next generation
-        self._model_drafter = None
-        if draft is not None:
-            feature_draft = bundle.draft.reads_features
-            self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
+        self._use_models(target, draft)
+        # Whether the CPU threads spin now, and with spinning "auto", the load they follow
+        # and how to reopen the models the other way (`_follow_load`).
+        self.spinning: bool | None = None
+        self._auto_spinning: _AutoSpinning | None = None
         # What recent steps cost and accepted, for `auto`, kept across generations, starting
         # from what earlier runs stored in the bundle (drafting/auto_k_file.py).
         self._histories = Histories()
@@ -111,19 +120,65 @@ class Generator:
         self._lock = threading.Lock()  # held by the running generation
         self._owner: int | None = None  # the thread that holds it
 
+    def _use_models(self, target, draft) -> None:
+        """Run on these backends from the next generation on (caches and drafts anew)."""
+        self.target = target
+        self.draft = draft
+        self._cache = None  # the target's KV cache, reused by the next generation
+        self._model_drafter = None
+        if draft is not None:
+            feature_draft = self.bundle.draft.reads_features
+            self._model_drafter = (FeatureDrafter if feature_draft else ModelDrafter)(draft)
+
     @classmethod
     def from_bundle(cls, path: str | Path | Bundle, backend: str = "ort-cpu",
                     threads: int | None = None,
-                    spinning: bool = DEFAULT_SPINNING) -> Generator:
+                    spinning: bool | str = DEFAULT_SPINNING) -> Generator:
         """Load and validate a bundle folder (or take one `load_bundle` read already) and
         open its graphs on `backend`, each with `threads` ONNX Runtime CPU threads (None:
         one per core) that spin while they wait for work when `spinning` (ONNX Runtime's
-        `session.intra_op.allow_spinning`; docs/design.md#threads)."""
+        `session.intra_op.allow_spinning`; docs/design.md#threads). "auto" (the default)
+        spins while other processes leave this process's CPUs idle (runtime/cpu_load.py):
+        measured for 0.2 s before the graphs open, then over each generation and each pause
+        between two; when that changes, the graphs are opened again the other way before
+        the next generation (about 0.5 s for a 135M-parameter model on 2 cores)."""
+        check_spinning(spinning)
         bundle = path if isinstance(path, Bundle) else load_bundle(path)
-        target = load_backend(backend, bundle, "target", threads, spinning)
-        draft = (load_backend(backend, bundle, "draft", threads, spinning) if bundle.draft
-                 else None)
-        return cls(bundle, target, draft, TextCodec(bundle), threads)
+        meter = None
+        if spinning == "auto":
+            meter = cpu_load.LoadMeter() if backend in CPU_THREAD_BACKENDS else None
+            spinning = meter is not None and cpu_load.first_choice(meter)
+
+        def open_models(spin: bool):
+            target = load_backend(backend, bundle, "target", threads, spin)
+            draft = (load_backend(backend, bundle, "draft", threads, spin) if bundle.draft
+                     else None)
+            return target, draft
+
+        gen = cls(bundle, *open_models(spinning), TextCodec(bundle), threads)
+        gen.spinning = spinning
+        if meter is not None and meter.available:
+            gen._auto_spinning = _AutoSpinning(meter, open_models)
+        return gen
+
+    def _follow_load(self, reopen: bool) -> None:
+        """With spinning "auto": read other processes' use of the CPUs since the last
+        reading, when that was at least MIN_WINDOW_SECONDS ago (the generation that just
+        ended, or the pause before this one), and with `reopen` (before a generation), when
+        the latest reading calls for the other setting, reopen the graphs with it. The
+        reading after a generation only decides, so that no caller waits for a reopening
+        after its last token. The old sessions go first, so that memory never holds both."""
+        auto = self._auto_spinning
+        if auto is None:
+            return
+        if auto.meter.elapsed() >= cpu_load.MIN_WINDOW_SECONDS:
+            auto.wanted = cpu_load.spin_now(auto.meter.others(), bool(self.spinning))
+        if not reopen or auto.wanted is None or auto.wanted == self.spinning:
+            return
+        self._use_models(None, None)
+        self._use_models(*auto.open_models(auto.wanted))
+        self.spinning = auto.wanted
+        auto.meter.others()  # the reopening's own CPU time is not the others' load
 
     def context_limit(self, config: GenerationConfig) -> int:
         """Largest prompt + max_new_tokens for a generation with `config` (`context_limit`)."""
@@ -178,7 +233,9 @@ class Generator:
         with self._lock:
             self._owner = threading.get_ident()
             try:
+                self._follow_load(reopen=True)
                 result = yield from self._run(ids, config, cancel)
+                self._follow_load(reopen=False)
             finally:
                 self._owner = None
             self.last_result = result
@@ -219,6 +276,7 @@ class Generator:
         stats = summarize(clock, len(tokens), "auto" if config.auto else config.k_max,
                           proposer.name if proposer else "none", self.target.name, reason)
         stats["sampling_on"] = state.selector.where
+        stats["threads_spinning"] = self.spinning
         return GenerationResult(text, tokens, stats, reason)
 
     def _new_state(self, prompt: list[int], config: GenerationConfig,

@@ -74,7 +74,7 @@ class ServerSettings:
     bundle: str
     backend: str = "ort-cpu"
     threads: int | None = None
-    spinning: bool = DEFAULT_SPINNING    # CPU threads spin while they wait for work
+    spinning: bool | str = DEFAULT_SPINNING  # CPU threads spin while they wait: on, off, auto
     model_name: str | None = None        # default: the bundle folder's name
     api_key: str | None = None           # None: no key asked for
     max_queue: int = 32                  # requests waiting beyond the running one

@@ -45,14 +45,15 @@ def add_threads_flag(parser: argparse.ArgumentParser, help: str | None = THREADS
 
 
 def add_spinning_flag(parser: argparse.ArgumentParser) -> None:
-    """--thread-spinning on|off: whether the runtime's CPU threads spin while they wait for
-    work (ONNX Runtime's `session.intra_op.allow_spinning`); a bool in the namespace."""
-    parser.add_argument("--thread-spinning", type=on_off_arg, metavar="{on,off}",
+    """--thread-spinning auto|on|off: whether the runtime's CPU threads spin while they wait
+    for work (ONNX Runtime's `session.intra_op.allow_spinning`); True, False or "auto" in
+    the namespace."""
+    parser.add_argument("--thread-spinning", type=spinning_arg, metavar="{auto,on,off}",
                         default=DEFAULT_SPINNING,
                         help="CPU threads spin while they wait for work (ONNX Runtime's "
-                        "allow_spinning; default "
-                        f"{'on' if DEFAULT_SPINNING else 'off'}: "
-                        "off yields the cores to other processes)")
+                        "allow_spinning): on is fastest on idle cores, off yields the cores "
+                        "to other processes; auto (default) spins while other processes "
+                        "leave the cores idle, measured as it runs")
 
 
 def add_max_new_tokens_flag(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +111,15 @@ def draft_tokens_arg(value: str) -> int | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") \
             from None
+
+
+def spinning_arg(value: str) -> bool | str:
+    """argparse type of --thread-spinning: "auto", or on/off as True/False."""
+    if value == "auto":
+        return value
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'on' or 'off', got {value!r}")
+    return value == "on"
 
 
 def on_off_arg(value: str) -> bool:

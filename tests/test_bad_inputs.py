@@ -215,10 +215,11 @@ def test_negative_threads(tiny_bundle):
         Generator.from_bundle(tiny_bundle, threads=-1)
 
 
-@pytest.mark.parametrize("spinning", ["off", "True", 0, 1, None])
-def test_spinning_that_is_not_a_bool(tiny_bundle, spinning):
-    """`spinning` is True or False: a string such as "off" would otherwise read as true."""
-    with pytest.raises(ValueError, match=r"spinning must be True or False.*got"):
+@pytest.mark.parametrize("spinning", ["off", "True", "AUTO", 0, 1, None])
+def test_spinning_that_is_not_a_bool_or_auto(tiny_bundle, spinning):
+    """`spinning` is True, False or "auto": a string such as "off" would otherwise read as
+    true."""
+    with pytest.raises(ValueError, match=r"spinning must be True, False or 'auto'.*got"):
         Generator.from_bundle(tiny_bundle, spinning=spinning)
 
 

@@ -233,7 +233,7 @@ BAD_GENERATE = [
     # --threads is checked: -1 is refused (and 1000000 would exhaust memory).
     (["--prompt", PROMPT, "--threads", "-1"], ["threads"]),
     (["--prompt", PROMPT, "--thread-spinning", "maybe"],
-     ["--thread-spinning", "expected 'on' or 'off'", "'maybe'"]),
+     ["--thread-spinning", "expected 'auto', 'on' or 'off'", "'maybe'"]),
 ]
 
 
@@ -343,6 +343,18 @@ def test_generate_thread_flags_reach_both_sessions(capsys, tiny_bundle, api, ope
     assert json.loads(out)["token_ids"] == api.generate(PROMPT, max_new_tokens=12).token_ids
 
 
+def test_generate_thread_spinning_auto_is_the_default(capsys, tiny_bundle, opened):
+    """Without the flag, spinning is "auto": decided from the CPUs' load (a bool the
+    sessions got and the JSON stats report)."""
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--json", "--max-new-tokens", 12)
+    assert code == 0, err
+    gen = opened[0]
+    assert isinstance(gen.spinning, bool)
+    assert [allow for _, allow in threads_of(gen)] == ["1" if gen.spinning else "0"] * 2
+    assert json.loads(out)["stats"]["threads_spinning"] is gen.spinning
+
+
 def test_chat_thread_flags_reach_both_sessions(capsys, monkeypatch, tiny_bundle, opened):
     monkeypatch.setattr(sys, "stdin", io.StringIO("/exit\n"))
     code, _, err = call_main(capsys, "chat", "--bundle", tiny_bundle, "--threads", 2,
@@ -355,7 +367,7 @@ def test_chat_thread_flags_reach_both_sessions(capsys, monkeypatch, tiny_bundle,
 def test_bad_thread_spinning_is_one_line(capsys, tiny_bundle, command):
     code, out, err = call_main(capsys, command, "--bundle", tiny_bundle,
                                "--thread-spinning", "1")
-    assert_one_line_error(code, err, "--thread-spinning", "expected 'on' or 'off'")
+    assert_one_line_error(code, err, "--thread-spinning", "expected 'auto', 'on' or 'off'")
     assert out == ""
 
 

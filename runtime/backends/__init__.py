@@ -12,12 +12,16 @@ from typing import Protocol
 
 import numpy as np
 
+from specedge.runtime import cpu_load
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import KV_LAYOUT_IN_PLACE, Bundle, ModelSpec
-from specedge.runtime.config import DEFAULT_SPINNING, check_spinning, check_threads
+from specedge.runtime.config import check_spinning, check_threads
 from specedge.runtime.errors import BackendUnavailableError
 
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "host-emulated")
+# The backends whose models run on ONNX Runtime's CPU thread pools, which `threads` and
+# `spinning` set.
+CPU_THREAD_BACKENDS = ("ort-cpu", "host-emulated")
 
 
 class Cache(Protocol):
@@ -53,7 +57,7 @@ class Backend(Protocol):
 
 
 def load_backend(name: str, bundle: Bundle, role: str, threads: int | None = None,
-                 spinning: bool = DEFAULT_SPINNING) -> Backend:
+                 spinning: bool | str = False) -> Backend:
     """The backend called `name` for the bundle's `role` graph ("target" or "draft"), with
     `threads` ONNX Runtime CPU threads that spin while they wait for work when `spinning`
     (ort-cpu and host-emulated; a GPU backend's session runs on its device).
@@ -64,7 +68,8 @@ def load_backend(name: str, bundle: Bundle, role: str, threads: int | None = Non
     what CI runs in place of a GPU.
     """
     check_threads(threads)
-    check_spinning(spinning)
+    if check_spinning(spinning) == "auto":  # decided once here; a Generator follows the load
+        spinning = name in CPU_THREAD_BACKENDS and cpu_load.first_choice(cpu_load.LoadMeter())
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     try:

@@ -24,7 +24,6 @@ import numpy as np
 
 from specedge.runtime.backends.memory import cuda_check
 from specedge.runtime.bundle import ModelSpec
-from specedge.runtime.config import DEFAULT_SPINNING
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 
 ORT_MAX_TOKENS = 512  # longer prompts are prefilled in chunks: bounds the presents buffer
@@ -44,7 +43,7 @@ class OrtEngine:
     """ONNX Runtime on `device` "cpu" (host memory) or "cuda" (device memory)."""
 
     def __init__(self, spec: ModelSpec, device: str = "cpu", threads: int | None = None,
-                 spinning: bool = DEFAULT_SPINNING):
+                 spinning: bool = False):
         from specedge.runtime.backends.ort_cpu import open_session
 
         provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[device]

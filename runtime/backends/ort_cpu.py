@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE, ModelSpec
-from specedge.runtime.config import DEFAULT_SPINNING
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 from specedge.runtime.kv_cache import KVCache, check_call
 
@@ -50,7 +49,7 @@ class OrtCpuBackend:
     name = "ort-cpu"
 
     def __init__(self, spec: ModelSpec, threads: int | None = None,
-                 one_token_as_two: bool | None = None, spinning: bool = DEFAULT_SPINNING):
+                 one_token_as_two: bool | None = None, spinning: bool = False):
         self.spec = spec
         # GroupQueryAttention (and 4-bit MatMulNBits on some CPUs) compute a one-row call on
         # another kernel path than the rows of a multi-row call, and int8 activations grow
@@ -168,7 +167,7 @@ def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
 
 
 def open_session(spec: ModelSpec, threads: int | None, provider: str,
-                 spinning: bool = DEFAULT_SPINNING):
+                 spinning: bool = False):
     """An ONNX Runtime session for one graph of a bundle, checked against the contract;
     `threads` intra-op threads (None: ONNX Runtime's choice, one per physical core) that
     spin while they wait for work when `spinning`."""

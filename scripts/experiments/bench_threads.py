@@ -6,7 +6,9 @@ whether they spin while they wait for work, against the runtime's default, in on
         [--out bench_results/threads.json]
 
 Each configuration is a `Generator` opened with `threads` (an integer, or "all": ONNX
-Runtime's one thread per core) and `spinning` on or off, plus "all, spin, no stop": spinning
+Runtime's one thread per core) and `spinning` on or off, plus "all, auto": the default,
+which spins while other processes leave the cores idle and reopens its sessions when that
+changes (runtime/cpu_load.py; its reopening counts in its time), and "all, spin, no stop": spinning
 threads that also keep spinning between runs, ONNX Runtime's own default without the
 runtime's `session.force_spinning_stop` (ort_cpu.py `spinning_entries`). The baseline
 is "all, spin": ONNX Runtime's thread count, spinning within a run. Each configuration decodes
@@ -29,8 +31,8 @@ the 95% interval of bench/intervals.py (`ratio_ci`), and whether every configura
 emitted the same greedy tokens.
 
 Time: rounds x loads x (configurations x prompts x 2) generations of `--max-new-tokens`,
-plus one warm-up each: about 22 minutes with the defaults on a quiet 2-core AMD EPYC, 30
-on a loaded one (5 configurations, 2 loads, 8 rounds, 3 prompts, 96 tokens).
+plus one warm-up each: about 26 minutes with the defaults on a quiet 2-core AMD EPYC, 36
+on a loaded one (6 configurations, 2 loads, 8 rounds, 3 prompts, 96 tokens).
 Prints a table and writes bench_results/threads.json (settings, machine, commit, every
 round's seconds).
 """
@@ -60,13 +62,14 @@ BUNDLE = Path.home() / ".cache/specedge/bundles/smollm2-feature-int4"
 MODES = {"plain": {"use_draft": False}, "default": {}}
 BASELINE = "all, spin"
 NO_STOP = "all, spin, no stop"
+AUTO = "all, auto"
 
 
 @dataclass
 class Configuration:
     name: str
     threads: int | None
-    spinning: bool
+    spinning: bool | str
     stop_between_runs: bool = True
 
     def open(self, bundle: Path) -> Generator:
@@ -79,8 +82,8 @@ class Configuration:
 
 
 def configurations(threads: list[str]) -> list[Configuration]:
-    """The baseline first, then each thread count with spinning on and off, then the
-    baseline without the stop between runs."""
+    """The baseline first, then each thread count with spinning on and off, then all cores
+    with spinning "auto", then the baseline without the stop between runs."""
     out = [Configuration(BASELINE, None, True)]
     for t in threads:
         count = None if t == "all" else int(t)
@@ -88,7 +91,8 @@ def configurations(threads: list[str]) -> list[Configuration]:
             name = f"{t}, {'spin' if spinning else 'no spin'}"
             if name != BASELINE:
                 out.append(Configuration(name, count, spinning))
-    return out + [Configuration(NO_STOP, None, True, stop_between_runs=False)]
+    return out + [Configuration(AUTO, None, "auto"),
+                  Configuration(NO_STOP, None, True, stop_between_runs=False)]
 
 
 @contextlib.contextmanager

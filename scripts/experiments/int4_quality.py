@@ -5,6 +5,11 @@ and teacher-forced greedy agreement with the reference on the first 12 shipped p
 report (one paragraph), so that a grid's cost is not lost in the noise of a short text.
 
     python scripts/experiments/int4_quality.py REFERENCE_BUNDLE BUNDLE [BUNDLE ...] [--json F]
+        [--prompts docs/examples/prompts.jsonl]
+
+The shipped prompts are also what the searched int4 grids calibrate on (their first 512
+tokens), so a grid fitted to them is also measured on a prompt file that it never saw
+(`--prompts`, e.g. docs/examples/prompts.jsonl: the same categories, other texts).
 
 e.g. an fp32 bundle with fused attention as the reference (`specedge export smollm2-135m
 --precision fp32 --attention fused --out REF`) against int4 bundles with each --int4-grid.
@@ -17,7 +22,7 @@ import json
 
 from specedge.bench import baselines
 from specedge.export.quantize import _agreement, _greedy_path, chunked_perplexity
-from specedge.prompts import load_prompts
+from specedge.prompts import load_prompts, read_prompt_file
 from specedge.runtime.backends import load_backend
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.text import TextCodec
@@ -31,12 +36,15 @@ def main() -> None:
     p.add_argument("bundles", nargs="+", help="the reference bundle first")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--prompts", help="a prompt file (JSON Lines, with summarize prompts) to "
+                   "measure on instead of the shipped prompts")
     args = p.parse_args()
     codec = TextCodec(load_bundle(args.bundles[0]))
     baselines.QUALITY_TOKENS = TEXT_TOKENS
-    text = baselines.quality_text_ids(codec, load_prompts())
+    prompt_set = read_prompt_file(args.prompts) if args.prompts else load_prompts()
+    text = baselines.quality_text_ids(codec, prompt_set)
     prompts = [codec.encode_chat([{"role": "user", "content": p["prompt"]}])
-               for p in load_prompts()[:PROMPTS]]
+               for p in prompt_set[:PROMPTS]]
     rows, paths = [], None
     for bundle in args.bundles:
         backend = load_backend("ort-cpu", load_bundle(bundle), "target", args.threads)

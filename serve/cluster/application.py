@@ -36,7 +36,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from specedge.cli_common import draft_tokens_arg, on_off_arg
+from specedge.cli_common import draft_tokens_arg, on_off_arg, spinning_arg
 from specedge.serve.app import ServerSettings
 from specedge.serve.cluster.ingress import Ingress
 from specedge.serve.cluster.replica import GeneratorReplica
@@ -139,6 +139,8 @@ def _converted(name: str, value: str, default: object) -> object:
         return int(value)
     if name == "draft_tokens":
         return draft_tokens_arg(value)
+    if name == "spinning":
+        return spinning_arg(value)
     if isinstance(default, bool):  # before int: a bool is one; "on" or "off", as the flag
         return on_off_arg(value)
     if isinstance(default, (int, float)):

@@ -62,7 +62,8 @@ def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
     assert _settings(ServerSettings, {**args, "draft_tokens": "3"}).draft_tokens == 3
     assert _settings(ServerSettings, {**args, "spinning": "off"}).spinning is False
     assert _settings(ServerSettings, {**args, "spinning": "on"}).spinning is True
-    with pytest.raises(ValueError, match="spinning: expected 'on' or 'off'"):
+    assert _settings(ServerSettings, {**args, "spinning": "auto"}).spinning == "auto"
+    with pytest.raises(ValueError, match="spinning: expected 'auto', 'on' or 'off'"):
         _settings(ServerSettings, {**args, "spinning": "yes"})
     with pytest.raises(ValueError, match="unknown arguments.*'replica'"):
         _settings(ServerSettings, {**args, "replica": "2"})

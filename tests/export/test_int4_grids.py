@@ -123,3 +123,41 @@ def test_int4_grid_is_checked_with_the_precision(tiny_checkpoints, tmp_path):
         ExportSettings(model="m", out=tmp_path, precision="int4", int4_grid="nearest")
     with pytest.raises(ValueError, match="applies to --precision int4 only"):
         ExportSettings(model="m", out=tmp_path, precision="int8", int4_grid="search")
+
+
+@pytest.mark.parametrize("grid", ["exact", "search"])
+def test_int4_block_and_head_bits_reach_every_matmul(tiny_checkpoints, tmp_path, grid):
+    """--int4-block 64 --int4-head-bits 4: every MatMulNBits of the target, the LM head
+    included, is 4-bit in blocks of 64; the bundle records both, and greedy speculative
+    decoding still equals plain decoding on it."""
+    from specedge.export.bundle_writer import export_bundle
+    from specedge.runtime import Generator
+
+    out = tmp_path / "b"
+    manifest = export_bundle(str(tiny_checkpoints["llama-h16"]), out, draft_layers=1,
+                             precision="int4", int4_grid=grid, int4_block=64,
+                             int4_head_bits=4)
+    assert (manifest["source"]["int4_block"], manifest["source"]["int4_head_bits"]) == (64, 4)
+    graph = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: a.i for a in n.attribute} for n in nbits]
+    assert len(nbits) >= 5  # 2 layers x (QKV, output, gate/up, down) and the head
+    assert all(a["bits"] == 4 and a["block_size"] == 64 for a in attrs), attrs
+    vocab = manifest["models"]["target"]["vocab_size"]
+    assert any(a["N"] == vocab for a in attrs)  # the head, at 4 bits
+    gen = Generator.from_bundle(out)
+    for prompt in ["hello", "the cat sat"]:
+        plain = gen.generate(prompt, max_new_tokens=24, use_draft=False)
+        spec = gen.generate(prompt, max_new_tokens=24, draft_tokens=3)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_int4_block_and_head_bits_are_checked(tmp_path):
+    from specedge.export.settings import ExportSettings
+
+    with pytest.raises(ValueError, match="--int4-block must be one of 32, 64, 128"):
+        ExportSettings(model="m", out=tmp_path, precision="int4", int4_block=48)
+    with pytest.raises(ValueError, match="--int4-head-bits must be one of 8, 4"):
+        ExportSettings(model="m", out=tmp_path, precision="int4", int4_head_bits=2)
+    with pytest.raises(ValueError, match="apply to --precision int4 only"):
+        ExportSettings(model="m", out=tmp_path, precision="int8", int4_block=64)

@@ -33,9 +33,12 @@ def test_settings_reach_both_sessions(tiny_bundle, threads, spinning, expected):
     assert session_threads(gen.draft.session) == expected
 
 
-def test_from_bundle_defaults_to_default_spinning(tiny_bundle):
+def test_from_bundle_defaults_to_auto_spinning(tiny_bundle):
+    """The default, "auto", opens both sessions with one decision, a bool."""
+    assert DEFAULT_SPINNING == "auto"
     gen = Generator.from_bundle(tiny_bundle, threads=1)
-    allow = "1" if DEFAULT_SPINNING else "0"
+    assert isinstance(gen.spinning, bool)
+    allow = "1" if gen.spinning else "0"
     assert session_threads(gen.target.session)[1] == allow
     assert session_threads(gen.draft.session)[1] == allow
 
