@@ -37,7 +37,13 @@ from specedge.export.graph.trace import GRAPH_REVISION, OPSET, export_onnx
 from specedge.export.model_entry import model_entry
 from specedge.export.onnx_files import graph_files
 from specedge.export.preflight import ExportPlan, preflight
-from specedge.export.quantize import PERPLEXITY_TEXT, quantization_report, quantize_graph
+from specedge.export.quantize import (
+    BLOCK_SIZE,
+    HEAD_BITS,
+    PERPLEXITY_TEXT,
+    quantization_report,
+    quantize_graph,
+)
 from specedge.export.settings import HEAD_SUBSET_DRAFTS, ExportSettings, draft_kind
 from specedge.export.sources import GGUF_READER_REVISION, load_model
 from specedge.export.steps import ExportError, ExportRun, step_error
@@ -91,7 +97,7 @@ def _fingerprint(source: str | None) -> str | None:
 def export_args(model: str, draft: str | None, draft_layers: int | None,
                 max_context: int | None, precision: str, attention: str = "auto",
                 draft_head_tokens: int | str | None = None, int4_grid: str = "exact",
-                int4_block: int = 32, int4_head_bits: int = 8) -> dict:
+                int4_block: int = BLOCK_SIZE, int4_head_bits: int = HEAD_BITS) -> dict:
     """What a bundle was made from: an up-to-date bundle has exactly these."""
     args = {"model": model, "model_fingerprint": _fingerprint(model), "draft": draft,
             "draft_fingerprint": _fingerprint(draft), "draft_layers": draft_layers,
@@ -100,7 +106,7 @@ def export_args(model: str, draft: str | None, draft_layers: int | None,
     # Bundles of the original int4 grid keep their arguments (and stay up to date).
     if int4_grid != "exact":
         args["int4_grid"] = int4_grid
-    if (int4_block, int4_head_bits) != (32, 8):
+    if (int4_block, int4_head_bits) != (BLOCK_SIZE, HEAD_BITS):
         args["int4_block"], args["int4_head_bits"] = int4_block, int4_head_bits
     # Only a truncated or checkpoint draft takes a head subset: other bundles keep their
     # arguments (and stay up to date).
@@ -126,8 +132,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
                   draft_layers: int | None = None, max_context: int | None = None,
                   precision: str = "fp32", verify: bool = False, force: bool = False,
                   attention: str = "auto", draft_head_tokens: int | str | None = None,
-                  int4_grid: str = "exact", int4_block: int = 32,
-                  int4_head_bits: int = 8) -> dict:
+                  int4_grid: str = "exact", int4_block: int = BLOCK_SIZE,
+                  int4_head_bits: int = HEAD_BITS) -> dict:
     """Export `model` (and its draft) to the bundle folder `out`; returns the manifest.
 
     Skips the work when `out` already holds a bundle made with the same arguments, unless

@@ -49,6 +49,7 @@ BLOCK_SIZE = 32
 # quality (docs/export.md#int4-blocks-and-the-lm-head).
 INT4_BLOCKS = (32, 64, 128)
 INT4_HEAD_BITS = (8, 4)
+HEAD_BITS = 8  # the default of INT4_HEAD_BITS
 # Tokens per call of the quality report's perplexity: memory is one chunk's logits (32 x
 # 262144 float64 = 64 MB at Gemma 3's vocabulary), not the whole text's.
 PERPLEXITY_CHUNK = 32
@@ -73,7 +74,7 @@ INT4_GRIDS = ("exact", "search")
 
 def quantize_graph(source: Path, path: Path, precision: str, int4_grid: str = "exact",
                    calibration_ids: list[int] | None = None, int4_block: int = BLOCK_SIZE,
-                   int4_head_bits: int = 8) -> None:
+                   int4_head_bits: int = HEAD_BITS) -> None:
     """Write the fp32 graph at `source` in `precision` at `path` (and its data file when the
     result is large: export/onnx_files.py). int4 only: `int4_block` weights a block along
     the reduction axis (INT4_BLOCKS) and `int4_head_bits` bits for the LM head
@@ -107,7 +108,8 @@ def quantize_graph(source: Path, path: Path, precision: str, int4_grid: str = "e
         importance = None
         if precision == "int4" and int4_grid == "search" and calibration_ids:
             importance = mean_squares(source, model, _matmul_inputs(model), calibration_ids)
-        block, head_bits = (int4_block, int4_head_bits) if precision == "int4" else (BLOCK_SIZE, 8)
+        int4 = precision == "int4"
+        block, head_bits = (int4_block, int4_head_bits) if int4 else (BLOCK_SIZE, HEAD_BITS)
         _quantize_weights(model, folder, precision, int4_grid, importance or {}, block,
                           head_bits)
     save_graph(model, folder, path)
@@ -123,7 +125,7 @@ def _matmul_inputs(model: onnx.ModelProto) -> list[str]:
 def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
                       int4_grid: str = "exact",
                       importance: dict[str, np.ndarray] | None = None,
-                      block: int = BLOCK_SIZE, head_bits: int = 8) -> None:
+                      block: int = BLOCK_SIZE, head_bits: int = HEAD_BITS) -> None:
     """int8: every MatMul weight -> MatMulNBits at 8 bits, every embedding Gather ->
     GatherBlockQuantized at 8 bits (`_embedding_8bit`). int4 (blocks of `block`): the LM
     head at `head_bits` bits, every

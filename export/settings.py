@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specedge.export.distill.draft_folder import is_distilled_draft
-from specedge.export.quantize import INT4_BLOCKS, INT4_GRIDS, INT4_HEAD_BITS, PRECISIONS
+from specedge.export.quantize import (
+    BLOCK_SIZE,
+    HEAD_BITS,
+    INT4_BLOCKS,
+    INT4_GRIDS,
+    INT4_HEAD_BITS,
+    PRECISIONS,
+)
 
 # Drafts whose head can score a subset of the tokens (`--draft-head-tokens`): the target's
 # first layers and a checkpoint. A distilled draft scores its own head tokens.
@@ -52,8 +59,8 @@ class ExportSettings:
     max_context: int | None = None
     precision: str = "fp32"
     int4_grid: str = "exact"
-    int4_block: int = 32
-    int4_head_bits: int = 8
+    int4_block: int = BLOCK_SIZE
+    int4_head_bits: int = HEAD_BITS
     attention: str = "auto"
     verify: bool = False
     force: bool = False
@@ -78,7 +85,8 @@ class ExportSettings:
         if self.int4_head_bits not in INT4_HEAD_BITS:
             raise ValueError("--int4-head-bits must be one of "
                              f"{', '.join(map(str, INT4_HEAD_BITS))}, got {self.int4_head_bits!r}")
-        if (self.int4_block, self.int4_head_bits) != (32, 8) and self.precision != "int4":
+        int4_layout = (self.int4_block, self.int4_head_bits)
+        if int4_layout != (BLOCK_SIZE, HEAD_BITS) and self.precision != "int4":
             raise ValueError("--int4-block and --int4-head-bits apply to --precision int4 only")
         if self.draft is not None and self.draft_layers is not None:
             raise ValueError("pass --draft or --draft-layers, not both")
