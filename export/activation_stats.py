@@ -15,9 +15,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-# The graph inputs a calibration run feeds; a graph with others (a feature draft reads the
-# target's features) is not calibrated.
-_CALL_INPUTS = {"input_ids", "position_ids", "past_length", "logits_to_keep"}
+from specedge.runtime.bundle import FEATURES_KEEP
+
+# The graph inputs a calibration run feeds (a target's features for every position, so
+# that what only they need is calibrated too); a graph with others (a feature draft reads
+# the target's features) is not calibrated.
+_CALL_INPUTS = {"input_ids", "position_ids", "past_length", "logits_to_keep", FEATURES_KEEP}
 
 
 def mean_squares(source: Path, model: onnx.ModelProto, names: list[str],
@@ -39,7 +42,8 @@ def mean_squares(source: Path, model: onnx.ModelProto, names: list[str],
     t = len(ids)
     call = {"input_ids": np.array([ids], np.int64),
             "position_ids": np.arange(t, dtype=np.int64)[None],
-            "past_length": np.zeros(1, np.int64), "logits_to_keep": np.ones(1, np.int64)}
+            "past_length": np.zeros(1, np.int64), "logits_to_keep": np.ones(1, np.int64),
+            FEATURES_KEEP: np.array([t], np.int64)}
     feeds = {i.name: call[i.name] for i in graph.input if i.name in call}
     for i in inputs:
         dims = [d.dim_value or t for d in i.type.tensor_type.shape.dim]

@@ -59,8 +59,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "keeps its output tensor; 4 runs faster and approximates more)")
     p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
                    help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
-                   "cache in place and reads only its valid rows (ort-cpu only; not Gemma "
-                   "or GPT-2); portable: standard ONNX operators, for every backend; auto "
+                   "cache in place and reads only its valid rows (ort-cpu only; head size a "
+                   "multiple of 8); portable: standard ONNX operators, for every backend; auto "
                    "(default): fused for int8/int4 where the model allows it, else "
                    "portable")
     p.add_argument("--verify", action="store_true",

@@ -12,21 +12,27 @@ from specedge.export.graph.families import model_dims_of
 from specedge.export.node_counts import optimized_node_counts
 from specedge.export.onnx_files import data_file, load_graph
 from specedge.export.verify import graph_features, graph_kv_layout
-from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE
+from specedge.runtime.bundle import (
+    FEATURES_IN,
+    FEATURES_KEEP,
+    FEATURES_OUT,
+    KV_LAYOUT_IN_PLACE,
+)
 
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.INT64: "int64"}
 
 
-def _io_spec(graph: onnx.GraphProto, dims: dict, features: int,
-            kv_layout: str) -> tuple[list[dict], list[dict]]:
+def _io_spec(graph: onnx.GraphProto, dims: dict, features: int, kv_layout: str,
+             keeps: bool) -> tuple[list[dict], list[dict]]:
     """Names and dtypes as the graph has them; shapes as the contract states them (the
     exporter leaves some static dims symbolic)."""
     kv = [1, dims["num_kv_heads"], None, dims["head_dim"]]
     in_place = kv_layout == KV_LAYOUT_IN_PLACE  # presents are the whole cache buffers
     shapes = {"input_ids": [1, "T"], "position_ids": [1, "T"], "past_length": [1],
               "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]],
-              FEATURES_IN: [1, "T", features], FEATURES_OUT: [1, "T", features]}
+              FEATURES_IN: [1, "T", features], FEATURES_KEEP: [1],
+              FEATURES_OUT: [1, "F" if keeps else "T", features]}
 
     def entry(v) -> dict:
         elem = v.type.tensor_type.elem_type
@@ -42,9 +48,9 @@ def model_entry(config, path: Path, max_context: int | None, precision: str) -> 
     Face `config`; its context capped at `max_context` (None: the model's)."""
     dims = model_dims_of(config)
     graph = load_graph(path).graph
-    features, reads = graph_features(graph)
+    features, reads, keeps = graph_features(graph)
     kv_layout = graph_kv_layout(graph)
-    inputs, outputs = _io_spec(graph, dims, features, kv_layout)
+    inputs, outputs = _io_spec(graph, dims, features, kv_layout, keeps)
     if max_context:
         dims["max_context"] = min(dims["max_context"], max_context)
     entry = {"file": path.name, "architecture": config.model_type, **dims,
@@ -55,6 +61,8 @@ def model_entry(config, path: Path, max_context: int | None, precision: str) -> 
                   "data_file_size": data_file(path).stat().st_size}
     if features:
         entry |= {"features": features, "reads_features": reads}
+    if keeps:
+        entry[FEATURES_KEEP] = True
     if not data_file(path).is_file():
         # A graph over 2 GB is not counted: ONNX Runtime would write its optimized copy,
         # weights and all, to count it.

@@ -39,6 +39,7 @@ from specedge.export.activation_stats import mean_squares
 from specedge.export.onnx_files import is_external, load_graph, save_graph
 from specedge.export.verify import graph_backend
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
+from specedge.runtime.bundle import FEATURES_OUT
 from specedge.runtime.stats import next_token_nll
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -128,7 +129,7 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
                       block: int = BLOCK_SIZE, head_bits: int = HEAD_BITS) -> None:
     """int8: every MatMul weight -> MatMulNBits at 8 bits, every embedding Gather ->
     GatherBlockQuantized at 8 bits (`_embedding_8bit`). int4 (blocks of `block`): the LM
-    head at `head_bits` bits, every
+    head at `head_bits` bits, a feature draft's fuse product at 8, every
     other MatMul weight centred on its blocks' offsets (`_centre_blocks`) and at 4 bits, or
     with `int4_grid` "search" at 4 bits with searched zero points (`_searched_matmul`,
     errors weighed by `importance` [activation name -> [K]] where given); the embedding at 4
@@ -151,7 +152,11 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
         # The quantizer reads the weight from the graph: bring this one into memory.
         if is_external(weight):
             onnx.external_data_helper.load_external_data_for_tensor(weight, str(folder))
-        bits = 8 if precision == "int8" else head_bits if node.name in heads else 4
+        # A feature draft's fuse product (it feeds only the draft) runs on no rows in plain
+        # decoding (runtime/bundle.py, features_to_keep), and ONNX Runtime's ReduceSum
+        # mishandles an empty input: no offset products for it, 8 bits at int4 too.
+        fuse = FEATURES_OUT in node.output
+        bits = 8 if precision == "int8" or fuse else head_bits if node.name in heads else 4
         on_blocks = node.op_type == "MatMul" and bits == 4 and weight.dims[0] % block == 0
         if node.op_type == "Gather" and precision == "int8":
             new = [_embedding_8bit(graph, node, weight)]

@@ -20,6 +20,7 @@ from specedge.export.graph.outputs import target_features
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import (
     FEATURES_IN,
+    FEATURES_KEEP,
     FEATURES_OUT,
     KV_LAYOUT,
     KV_LAYOUT_IN_PLACE,
@@ -29,11 +30,13 @@ from specedge.runtime.bundle import (
 DEFAULT_ATOL = 1e-3
 
 
-def graph_features(graph: onnx.GraphProto) -> tuple[int, bool]:
-    """(features width H or 0, whether it reads features), from the graph's I/O."""
+def graph_features(graph: onnx.GraphProto) -> tuple[int, bool, bool]:
+    """(features width H or 0, whether it reads features, whether it takes
+    features_to_keep), from the graph's I/O."""
     out = [o for o in graph.output if o.name == FEATURES_OUT]
     width = out[0].type.tensor_type.shape.dim[2].dim_value if out else 0
-    return width, any(i.name == FEATURES_IN for i in graph.input)
+    names = {i.name for i in graph.input}
+    return width, FEATURES_IN in names, FEATURES_KEEP in names
 
 
 def graph_kv_layout(graph: onnx.GraphProto) -> str:
@@ -45,11 +48,11 @@ def graph_kv_layout(graph: onnx.GraphProto) -> str:
 def graph_backend(path: Path, dims: dict) -> OrtCpuBackend:
     """An ort-cpu backend on a graph that is not in a bundle yet (dims: model_dims)."""
     graph = onnx.load(str(path), load_external_data=False).graph
-    features, reads = graph_features(graph)
+    features, reads, keeps = graph_features(graph)
     return OrtCpuBackend(ModelSpec(path=Path(path), dtype="float32",
                                    file_size=Path(path).stat().st_size, features=features,
                                    reads_features=reads, kv_layout=graph_kv_layout(graph),
-                                   **dims))
+                                   keeps_features=keeps, **dims))
 
 
 def verify_feature_draft(draft: FeatureDraft, onnx_path: Path, prompt_ids: list[int],

@@ -32,9 +32,17 @@ the graph writes the T new rows there itself.
 
 A bundle with a feature draft (format 2, export/drafts/feature.py) adds, after the above:
 
-    target outputs  hidden_states     float  [1, T, H]  its features (manifest: features H)
+    target inputs   features_to_keep  int64  [1]      features for the last F positions
+                                                      (format 3; manifest: features_to_keep
+                                                      true): T while a feature draft reads
+                                                      them, 0 otherwise
+    target outputs  hidden_states     float  [1, F, H]  its features (manifest: features H;
+                                                        format 2: F = T, no input)
     draft inputs    hidden_states_in  float  [1, T, H]  (manifest: reads_features true)
     draft outputs   hidden_states     float  [1, T, H]  its predicted next features
+
+`features_to_keep` lets plain decoding (and drafting without the feature draft) skip the
+work only the features need: a feature draft's `fuse` of several layers' outputs.
 """
 
 from __future__ import annotations
@@ -46,11 +54,12 @@ from typing import Any
 
 from specedge.runtime.errors import BundleError
 
-# A runtime reads every format up to its own (format 1: no feature-draft I/O); the formats
-# are listed in CHANGELOG.md.
-FORMAT_VERSION = 2
+# A runtime reads every format up to its own (format 1: no feature-draft I/O; format 2: the
+# features of every position); the formats are listed in CHANGELOG.md.
+FORMAT_VERSION = 3
 FEATURES_IN = "hidden_states_in"
 FEATURES_OUT = "hidden_states"
+FEATURES_KEEP = "features_to_keep"
 MANIFEST = "manifest.json"
 KV_LAYOUT = "bhsd-fixed"
 KV_LAYOUT_IN_PLACE = "bhsd-inplace"
@@ -73,15 +82,17 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
-def graph_io(num_layers: int, reads_features: bool = False,
-             writes_features: bool = False) -> tuple[list[str], list[str]]:
-    """Input and output names, in graph order."""
+def graph_io(num_layers: int, reads_features: bool = False, writes_features: bool = False,
+             keeps_features: bool = False) -> tuple[list[str], list[str]]:
+    """Input and output names, in graph order (`keeps_features`: a graph with feature
+    output that takes `features_to_keep`)."""
     inputs = ["input_ids", "position_ids", "past_length", "logits_to_keep"]
     outputs = ["logits"]
     for i in range(num_layers):
         inputs += [past_key_name(i), past_value_name(i)]
         outputs += [present_key_name(i), present_value_name(i)]
-    return inputs + [FEATURES_IN] * reads_features, outputs + [FEATURES_OUT] * writes_features
+    inputs += [FEATURES_IN] * reads_features + [FEATURES_KEEP] * keeps_features
+    return inputs, outputs + [FEATURES_OUT] * writes_features
 
 
 @dataclass(frozen=True)
@@ -99,9 +110,11 @@ class ModelSpec:
     features: int = 0             # H when the graph outputs `hidden_states`, else 0
     reads_features: bool = False  # a feature draft: takes `hidden_states_in`
     kv_layout: str = KV_LAYOUT
+    keeps_features: bool = False  # takes `features_to_keep` (format 3 graphs with features)
 
     def io(self) -> tuple[list[str], list[str]]:
-        return graph_io(self.num_layers, self.reads_features, self.features > 0)
+        return graph_io(self.num_layers, self.reads_features, self.features > 0,
+                        self.keeps_features)
 
 
 @dataclass(frozen=True)
@@ -153,7 +166,12 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
     if not isinstance(reads, bool) or (reads and not features):
         raise _bad(root, f"models.{role}.reads_features must be true only for a graph with "
                    f"features, got {reads!r}")
-    return ModelSpec(path=path, features=features, reads_features=reads, **fields)
+    keeps = entry.get(FEATURES_KEEP, False)
+    if not isinstance(keeps, bool) or (keeps and (not features or reads)):
+        raise _bad(root, f"models.{role}.{FEATURES_KEEP} must be true only for a graph that "
+                   f"outputs features and reads none, got {keeps!r}")
+    return ModelSpec(path=path, features=features, reads_features=reads, keeps_features=keeps,
+                     **fields)
 
 
 def _check_data_file(root: Path, role: str, entry: dict) -> None:

@@ -290,6 +290,9 @@ class Generator:
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         self._cache.rollback(0)
+        if self.target.spec.keeps_features:
+            # The features cost a feature draft's fuse product: computed only for one.
+            self.target.keep_features = bool(drafter and drafter.needs_features)
         return GenerationState(self.target, self._cache, drafter, config,
                                np.random.default_rng(config.seed), StepClock(), limit)
 

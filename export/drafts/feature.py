@@ -23,12 +23,13 @@ but a learned mix of it and of earlier layers' outputs:
 
 The last layer's features are shaped for predicting x_{r+1}; earlier layers still hold more
 of what predicting x_{r+2} needs. `fuse` is the draft's, but it runs in the target's graph
-(export/graph/), so the runtime and the bundle contract see an H-wide f_r either way.
+(export/graph/), so the runtime and the bundle contract see an H-wide f_r either way; the
+graph computes it for the last `features_to_keep` positions only, none in plain decoding.
 rms() is a parameter-free RMS norm: the residual stream's scale grows with depth.
 
 Graph I/O is the bundle's (runtime/bundle.py) plus `hidden_states_in` [1, T, H] (the f_r of
 each pair) and `hidden_states` [1, T, H] (the f^_{r+1}); the target graph of such a bundle
-outputs its f_r as `hidden_states`.
+takes `features_to_keep` and outputs its f_r of those positions as `hidden_states`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from torch import nn
 
 from specedge.export.drafts.truncated import check_mlp_width, copy_layer
 from specedge.export.graph.attention import gqa_lengths
+from specedge.export.graph.decoder import FusedInputs
+from specedge.export.graph.families import kernel_rotates
 from specedge.export.graph.llama import llama_bias, llama_layer, llama_layer_fused
 from specedge.export.graph.outputs import last_positions, lm_head
 from specedge.export.graph.rotary import gqa_rotary_cache, rotary_tables
@@ -92,12 +95,16 @@ class FeatureDraft(nn.Module):
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, -width:].copy_(torch.eye(width))
 
-    rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse_attention
+    fused = False  # see fuse_attention
+    rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse_attention(self) -> None:
         """From now on the graph (`forward`) runs its layer on GroupQueryAttention, KV
-        layout "bhsd-inplace" (export/graph/); training is unchanged."""
-        self.rotary_cache = gqa_rotary_cache(self.rotary_emb, self.config)
+        layout "bhsd-inplace" (export/graph/), rotating q and k in the kernel where it can
+        (graph/families.py `kernel_rotates`); training is unchanged."""
+        self.fused = True
+        if kernel_rotates(self.config):
+            self.rotary_cache = gqa_rotary_cache(self.rotary_emb, self.config)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a draft folder stores: fc, the layer, and fuse if it reads earlier layers."""
@@ -124,13 +131,15 @@ class FeatureDraft(nn.Module):
                 features):
         """The graph: one call over T pairs with the bundle's KV-cache contract."""
         x = self._pairs(input_ids, features)
-        if self.rotary_cache is not None:
-            x, k, v = llama_layer_fused(self.layer, x, past_k, past_v,
-                                        gqa_lengths(past_length, input_ids),
-                                        self.rotary_cache, position_ids)
-        else:
+        rotary = None
+        if self.rotary_cache is None:
             rotary = rotary_tables(*self.rotary_emb(x, position_ids),
                                    self.layer.self_attn.head_dim)
+        if self.fused:
+            inputs = FusedInputs(gqa_lengths(past_length, input_ids), self.rotary_cache,
+                                 None if rotary else position_ids, rotary=rotary)
+            x, k, v = llama_layer_fused(self.layer, x, past_k, past_v, inputs)
+        else:
             bias = llama_bias(self.config, past_length, past_k, input_ids, x.dtype)
             x, k, v = llama_layer(self.layer, x, rotary, past_k, past_v, bias)
         return lm_head(self, last_positions(x, logits_to_keep)), k, v, x

@@ -7,10 +7,14 @@ graph's KV layout (runtime/bundle.py):
 * "bhsd-fixed", portable (standard ONNX operators: ONNX Runtime on any device, TensorRT):
   reads the cache buffers (rows >= past_length masked, never copied or concatenated) and
   returns only the T new K/V rows, which the runtime writes into its buffers. Below.
-* "bhsd-inplace", `fused` (Llama family, ONNX Runtime CPU): one GroupQueryAttention node
-  per layer (an ONNX Runtime contrib operator) does rotary, writes the new rows into the
-  cache buffers in place and attends to the valid rows only. On SmolLM2 int8, 2 cores:
-  a one-token step in 0.83x the time of the portable graph's.
+* "bhsd-inplace", `fused` (every family, ONNX Runtime CPU): one GroupQueryAttention node
+  per layer (an ONNX Runtime contrib operator) writes the new rows into the cache buffers
+  in place and attends to the valid rows only; it also does rotary where its tables can
+  (the Llama layout), otherwise the graph rotates q and k before it (Gemma) or there is
+  no rotary (GPT-2). On SmolLM2 int8, 2 cores: a one-token step in 0.83x the time of the
+  portable graph's. Unlike the portable form it computes a row the same way in a
+  one-row and a multi-row call once the runtime pads one-token steps to two rows (docs/
+  design.md, "Batch invariance of quantized graphs"), which is what int8/int4 need.
 
 Neither repeats K/V heads for grouped-query attention (queries are grouped instead).
 
@@ -103,14 +107,17 @@ def portable_attention(qkv: torch.Tensor, rotary: tuple[torch.Tensor, ...],
 class GroupQueryAttention(torch.autograd.Function):
     """ONNX Runtime's fused attention, com.microsoft GroupQueryAttention, for one layer.
 
-    Inputs: q|k|v from one projection [1, T, (H + 2 Hkv) D], unscaled and unrotated; the
-    cache buffers [1, Hkv, C, D]; seqlens_k [1] = past_length + T - 1 and total [] =
-    past_length + T (int32); the rotary tables [R, D/2]; the rows of them to use [1, T]
-    (the positions, graph/rotary.py `gqa_positions`); `window`: the sliding window, or 0.
-    Outputs: attention [1, T, H D] and the two cache buffers with the T new rotated rows
-    written at [past_length, past_length + T). The runtime binds each of them to its past
-    buffer, so that the kernel writes the rows in place (it compares the addresses) and
-    attends to the valid rows only: no mask over the capacity, no copy of new rows.
+    Inputs: q|k|v from one projection [1, T, (H + 2 Hkv) D], unscaled; the cache buffers
+    [1, Hkv, C, D]; seqlens_k [1] = past_length + T - 1 and total [] = past_length + T
+    (int32); the rotary tables [R, D/2] and the rows of them to use [1, T] (the positions,
+    graph/rotary.py `gqa_positions`), or three Nones when q and k come rotated already (the
+    kernel rotates only multiples of 16 dims, and not Gemma's per-layer-kind tables) or the
+    model has no rotary (GPT-2); `window`: the sliding window, or 0; `cap`: Gemma 2's
+    soft-capping of the scores, or 0.
+    Outputs: attention [1, T, H D] and the two cache buffers with the T new rows written at
+    [past_length, past_length + T). The runtime binds each of them to its past buffer, so
+    that the kernel writes the rows in place (it compares the addresses) and attends to the
+    valid rows only: no mask over the capacity, no copy of new rows.
 
     `forward` is the same math in torch (`cached_attention`, then the rows written into
     copies of the buffers): what tracing runs. `symbolic` is the node the graph gets.
@@ -118,18 +125,23 @@ class GroupQueryAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, heads,
-                kv_heads, scale, window=0):
+                kv_heads, scale, window=0, cap=0.0):
         t = qkv.shape[1]
         d = qkv.shape[2] // (heads + 2 * kv_heads)
-        # Tables narrower than half a head rotate the first 2 x width dims only, as the
-        # kernel does (partial rotary: Phi-3, StableLM).
-        halves = torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions]
-        tables = partial_rotary_tables(*halves, 2 * cos.shape[-1], d)
         past_length = int(total) - t
         bias = attention_bias(torch.tensor([past_length]), past_k.shape[2], t,
                               heads // kv_heads, qkv.dtype, window or None)
-        out, k, v = portable_attention(qkv, tables, past_k, past_v, bias,
-                                       (heads, kv_heads, d), scale)
+        x = qkv.reshape(1, t, heads + 2 * kv_heads, d).transpose(1, 2)
+        q, k, v = x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
+        if cos is not None:
+            # Tables narrower than half a head rotate the first 2 x width dims only, as
+            # the kernel does (partial rotary: Phi-3, StableLM).
+            halves = (torch.cat([cos, cos], -1)[positions],
+                      torch.cat([sin, sin], -1)[positions])
+            tables = partial_rotary_tables(*halves, 2 * cos.shape[-1], d)
+            q, k = rotate(q, tables), rotate(k, tables)
+        out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
+                               cap or None)
         present_k, present_v = past_k.clone(), past_v.clone()
         present_k[:, :, past_length:past_length + t] = k
         present_v[:, :, past_length:past_length + t] = v
@@ -137,13 +149,15 @@ class GroupQueryAttention(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, heads,
-                 kv_heads, scale, window=0):
+                 kv_heads, scale, window=0, cap=0.0):
         absent = g.op("prim::Constant")  # the omitted optional inputs key and value
         absent.setType(torch._C.OptionalType.ofTensor())
+        rotary = [] if cos is None else [cos, sin, positions]
         out, present_k, present_v = g.op(
             "com.microsoft::GroupQueryAttention", qkv, absent, absent, past_k, past_v,
-            seqlens_k, total, cos, sin, positions, outputs=3, num_heads_i=heads,
-            kv_num_heads_i=kv_heads, scale_f=scale, do_rotary_i=1,
+            seqlens_k, total, *rotary, outputs=3, num_heads_i=heads,
+            kv_num_heads_i=kv_heads, scale_f=scale, do_rotary_i=int(cos is not None),
+            softcap_f=float(cap),
             # The CPU kernel attends to the last local_window_size positions, the query's
             # included: transformers' window (checked by tests/export/test_families_llama.py).
             local_window_size_i=window if window else -1)
@@ -156,6 +170,15 @@ class GroupQueryAttention(torch.autograd.Function):
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())
         return out, present_k, present_v
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             shape: tuple[int, int, int]) -> torch.Tensor:
+    """q [1, H, T, D], k and v [1, Hkv, T, D] -> q|k|v [1, T, (H + 2 Hkv) D], the layout
+    GroupQueryAttention reads; shape (H, Hkv, D) as Python ints (`cached_attention`)."""
+    heads, kv_heads, d = shape
+    return torch.cat([z.transpose(1, 2).reshape(1, -1, n * d)
+                      for z, n in ((q, heads), (k, kv_heads), (v, kv_heads))], dim=-1)
 
 
 def gqa_lengths(past_length: torch.Tensor, input_ids: torch.Tensor

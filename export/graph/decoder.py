@@ -22,10 +22,12 @@ from torch import nn
 from specedge.export.graph.attention import (
     GroupQueryAttention,
     attention_bias,
+    cached_attention,
     gqa_lengths,
+    pack_qkv,
     portable_attention,
 )
-from specedge.export.graph.families import model_dims_of
+from specedge.export.graph.families import kernel_rotates, model_dims_of
 from specedge.export.graph.outputs import last_positions, lm_head, target_features
 from specedge.export.graph.projections import gated_mlp, qkv_projection
 from specedge.export.graph.rotary import (
@@ -35,6 +37,7 @@ from specedge.export.graph.rotary import (
     partial_rotary_tables,
     rope_type,
     rotary_dim,
+    rotate,
 )
 from specedge.export.graph.skip_norm import skip_rms_norm
 
@@ -53,13 +56,32 @@ class PortableInputs:
 class FusedInputs:
     """What a layer's GroupQueryAttention reads besides its own q|k|v, built once per call:
     (seqlens_k, total) (graph/attention.py `gqa_lengths`), the rotary tables (cos, sin) and
-    the rows of them for this call (graph/rotary.py `gqa_rotary_cache`, `gqa_positions`),
-    and the layer's sliding window (None: full attention)."""
+    the rows of them for this call (graph/rotary.py `gqa_rotary_cache`, `gqa_positions`)
+    when the kernel rotates, and the layer's sliding window (None: full attention).
+    `rotary`: when the graph rotates q and k itself (graph/families.py
+    `kernel_rotates` false), the layer's rotary tables as portable attention reads them
+    (None without rotary)."""
 
     lengths: tuple[torch.Tensor, torch.Tensor]
-    rotary_cache: tuple[torch.Tensor, torch.Tensor]
-    rows: torch.Tensor
+    rotary_cache: tuple[torch.Tensor, torch.Tensor] | None
+    rows: torch.Tensor | None
     window: int | None = None
+    rotary: tuple[torch.Tensor, ...] | None = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
+           past_v: torch.Tensor, inputs: PortableInputs | FusedInputs,
+           shape: tuple[int, int, int], scale: float, cap: float | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of q [1, H, T, D] (rotated, unscaled), k and v [1, Hkv, T, D] (k rotated)
+    over the cache, in the layer's form: -> (output [1, T, H D], K, V) as
+    `Decoder.attention` returns them. For families that compute q, k and v their own way
+    (Gemma, GPT-2); `cap`: soft-capped scores (Gemma 2)."""
+    if isinstance(inputs, FusedInputs):
+        return GroupQueryAttention.apply(
+            pack_qkv(q, k, v, shape), past_k, past_v, *inputs.lengths, None, None, None,
+            shape[0], shape[1], float(scale), int(inputs.window or 0), float(cap or 0.0))
+    return cached_attention(q * scale, k, v, past_k, past_v, inputs.bias, shape, cap), k, v
 
 
 def attention_shape(attn: nn.Module) -> tuple[int, int, int]:
@@ -87,6 +109,9 @@ class Decoder(nn.Module):
         self.feature_layers = getattr(features, "feature_layers", ())
         self.fuse = getattr(features, "fuse", None)
         self.fused = fused
+        # Fused attention: GroupQueryAttention rotates q and k with its own tables, or the
+        # graph rotates them before the kernel (FusedInputs.rotary; graph/families.py).
+        self.kernel_rotary = kernel_rotates(model.config)
         # Query heads per KV head.
         self.groups = (model.config.num_attention_heads
                        // model_dims_of(model.config)["num_kv_heads"])
@@ -98,6 +123,10 @@ class Decoder(nn.Module):
     skip_norms = False
 
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, *past):
+        """The graph's inputs in order (runtime/bundle.py); a target with features ends
+        them with features_to_keep."""
+        if self.features:
+            *past, features_to_keep = past
         x = self.embed(input_ids, position_ids)
         inputs = self.layer_inputs(x, input_ids, position_ids, past_length, past)
         presents, layer_outputs = [], []
@@ -117,21 +146,28 @@ class Decoder(nn.Module):
             x = x + pending
         if not self.features:
             return (self.logits(self.norm(last_positions(x, logits_to_keep))), *presents)
-        final = self.norm(x)
-        return (self.logits(last_positions(final, logits_to_keep)), *presents,
-                target_features(self.fuse, layer_outputs, final))
+        # The features of the last features_to_keep positions only: none in plain decoding,
+        # which then skips the feature draft's fuse product.
+        kept = [last_positions(h, features_to_keep) for h in layer_outputs]
+        return (self.logits(self.norm(last_positions(x, logits_to_keep))), *presents,
+                target_features(self.fuse, kept,
+                                self.norm(last_positions(x, features_to_keep))))
 
     def layer_inputs(self, x: torch.Tensor, input_ids: torch.Tensor,
                      position_ids: torch.Tensor, past_length: torch.Tensor,
                      past: tuple[torch.Tensor, ...]) -> list[PortableInputs | FusedInputs]:
         """What each layer's attention reads besides its own q, k and v, built once per call
         and shared by the layers."""
-        if self.fused:
+        if self.fused and self.kernel_rotary:
             lengths = gqa_lengths(past_length, input_ids)
             rows = gqa_positions(self.model.model.rotary_emb, self.model.config, position_ids,
                                  past_length)
             return [FusedInputs(lengths, self.rotary_cache, rows, w) for w in self.windows]
         rotary = self.rotary(x, position_ids, past_length)
+        if self.fused:
+            lengths = gqa_lengths(past_length, input_ids)
+            return [FusedInputs(lengths, None, None, w, tables)
+                    for tables, w in zip(rotary, self.windows)]
         # One mask per distinct window, shared by the layers that have it (in layer order,
         # so that the graph is the same on every export).
         biases = {w: attention_bias(past_length, past[0].shape[2], input_ids.shape[1],
@@ -181,7 +217,7 @@ class Decoder(nn.Module):
         rope_type(rotary_emb)  # raises for a scaling the graph cannot match
         self.rotary_dim = rotary_dim(rotary_emb)
         self.head_dim = self.layers[0].self_attn.head_dim
-        if self.fused:
+        if self.fused and self.kernel_rotary:
             self.rotary_cache = gqa_rotary_cache(rotary_emb, self.model.config)
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -223,9 +259,14 @@ class Decoder(nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output [1, T, H D], K, V) of the layer's attention. Portable: the attention
         scale is folded into q's projection (it commutes with the rotation); fused:
-        GroupQueryAttention rotates and scales."""
+        GroupQueryAttention rotates (or the graph does before it) and scales."""
         attn = layer.self_attn
-        shape = attention_shape(attn)
+        shape = heads, kv_heads, d = attention_shape(attn)
+        if isinstance(inputs, FusedInputs) and inputs.rotary_cache is None:
+            x = cls.qkv(layer, h, 1.0).reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
+            qk = rotate(x[:, :heads + kv_heads], inputs.rotary)
+            return attend(qk[:, :heads], qk[:, heads:], x[:, heads + kv_heads:], past_k, past_v,
+                          inputs, shape, attn.scaling)
         if isinstance(inputs, FusedInputs):
             return GroupQueryAttention.apply(
                 cls.qkv(layer, h, 1.0), past_k, past_v, *inputs.lengths, *inputs.rotary_cache,

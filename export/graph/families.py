@@ -7,11 +7,13 @@ from torch import nn
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 GPT2_FAMILY = ("gpt2",)
-# graph/gemma.py: portable attention only (no soft-capping in GroupQueryAttention here).
 GEMMA_FAMILY = ("gemma2", "gemma3_text")
-# One file each in this package (phi3.py, granite.py, olmo2.py, stablelm.py); they can
-# have fused attention too.
+# One file each in this package (phi3.py, granite.py, olmo2.py, stablelm.py).
 MORE_FAMILIES = ("phi3", "granite", "olmo2", "stablelm")
+# Whose fused graphs can let GroupQueryAttention rotate q and k (`kernel_rotates`); the
+# others rotate in the graph (Gemma: tables per layer kind, which the kernel cannot take)
+# or have no rotary (GPT-2).
+KERNEL_ROTARY_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES
 
 
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY + MORE_FAMILIES + GEMMA_FAMILY
@@ -21,31 +23,31 @@ ATTENTIONS = ("auto", "fused", "portable")  # `specedge export --attention`
 def fused_attention(attention: str, precision: str, config) -> bool:
     """Whether a graph gets GroupQueryAttention (KV layout "bhsd-inplace"), for a Hugging
     Face `config`. `auto` picks it where ONNX Runtime CPU is the only runtime for the graph
-    anyway (int8 and int4: TensorRT cannot parse MatMulNBits) and the model can have it:
-    Llama-like families, head size and rotary size multiples of 16 (the CPU kernel's
-    requirements)."""
+    anyway (int8 and int4: TensorRT cannot parse MatMulNBits) and the model can have it,
+    which is what keeps int8/int4 greedy speculative output equal to plain decoding (docs/
+    design.md, "Batch invariance of quantized graphs"). The CPU kernel needs a head size
+    that is a multiple of 8; it rotates q and k itself where `kernel_rotates`, and the graph
+    rotates them before it otherwise."""
     if attention not in ATTENTIONS:
         raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, "
                          f"got {attention!r}")
-    if attention == "fused" and config.model_type in GEMMA_FAMILY:
-        raise ValueError(f"--attention fused is not available for {config.model_type!r}: "
-                         "Gemma's soft-capped attention has no GroupQueryAttention form "
-                         "here; export it with --attention portable")
-    # Partial rotary (Phi-3, StableLM): the kernel rotates as many dims as its tables are
-    # wide, which must be a multiple of 16 as well.
-    rotary = int(model_dims_of(config)["head_dim"] * (getattr(config, "rope_parameters", None)
-                                                      or {}).get("partial_rotary_factor", 1.0))
-    can = (config.model_type in LLAMA_FAMILY + MORE_FAMILIES
-           and model_dims_of(config)["head_dim"] % 16 == 0 and rotary % 16 == 0)
-    if attention == "fused" and not can:
-        raise ValueError(f"--attention fused needs a Llama-like model "
-                         f"({', '.join(LLAMA_FAMILY + MORE_FAMILIES)}) with a "
-                         f"head size that is a multiple of 16 and a rotary size that is "
-                         f"one too, not {config.model_type!r} with head size "
-                         f"{model_dims_of(config)['head_dim']} and rotary size {rotary}: "
-                         "export it with --attention portable")
-    return attention == "fused" or (attention == "auto" and can
+    head = model_dims_of(config)["head_dim"]
+    if attention == "fused" and head % 8:
+        raise ValueError(f"--attention fused needs a head size that is a multiple of 8 "
+                         f"(ONNX Runtime's GroupQueryAttention), not {head} "
+                         f"({config.model_type!r}): export it with --attention portable")
+    return attention == "fused" or (attention == "auto" and head % 8 == 0
                                     and precision in ("int8", "int4"))
+
+
+def kernel_rotates(config) -> bool:
+    """Whether a fused graph lets GroupQueryAttention rotate q and k: a family of
+    `KERNEL_ROTARY_FAMILIES` whose head size and rotary size (partial rotary: Phi-3,
+    StableLM) are multiples of 16, the kernel's requirement."""
+    head = model_dims_of(config)["head_dim"]
+    rotary = int(head * (getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", 1.0))
+    return config.model_type in KERNEL_ROTARY_FAMILIES and head % 16 == 0 and rotary % 16 == 0
 
 
 def model_dims(model: nn.Module) -> dict[str, int]:

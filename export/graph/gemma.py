@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 text: portable attention only.
+"""Gemma 2 and Gemma 3 text.
 
 What sets them apart from the Llama family, each as transformers computes it
 (models/gemma2/modeling_gemma2.py, models/gemma3/modeling_gemma3.py):
@@ -21,8 +21,10 @@ What sets them apart from the Llama family, each as transformers computes it
   the others);
 * both: final logits soft-capped with `final_logit_softcapping`.
 
-ONNX Runtime's GroupQueryAttention cannot soft-cap attention logits in our setup, so Gemma
-graphs get portable attention only (graph/families.py refuses `--attention fused`).
+Fused attention (GroupQueryAttention) takes Gemma 2's soft-cap and the query scale as
+attributes; the graph rotates q and k itself before the kernel, with the tables of each
+layer's kind (the kernel's own rotary takes one set of tables, and heads of a multiple of
+16 dims).
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specedge.export.graph.attention import cached_attention, soft_cap
-from specedge.export.graph.decoder import Decoder, PortableInputs, attention_shape
+from specedge.export.graph.attention import soft_cap
+from specedge.export.graph.decoder import (
+    Decoder,
+    FusedInputs,
+    PortableInputs,
+    attend,
+    attention_shape,
+)
 from specedge.export.graph.families import layer_windows
 from specedge.export.graph.outputs import lm_head
 from specedge.export.graph.rotary import rotary_tables, rotate
@@ -60,7 +68,7 @@ def check_gemma(config) -> None:
 
 
 class GemmaDecoder(Decoder):
-    """Gemma 2 and Gemma 3 text (module docstring), portable attention."""
+    """Gemma 2 and Gemma 3 text (module docstring)."""
 
     def sliding_windows(self) -> list[int | None]:
         return layer_windows(self.model.config)
@@ -91,22 +99,21 @@ class GemmaDecoder(Decoder):
 
     @staticmethod
     def attention(layer: nn.Module, h: torch.Tensor, past_k: torch.Tensor,
-                  past_v: torch.Tensor, inputs: PortableInputs
+                  past_v: torch.Tensor, inputs: PortableInputs | FusedInputs
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v from their own projections; Gemma 3's per-head q and k norms; the
         query scale after the rotation; Gemma 2's soft-capped scores."""
         attn = layer.self_attn
-        heads, kv_heads, d = attention_shape(attn)
+        shape = heads, kv_heads, d = attention_shape(attn)
         q = attn.q_proj(h).reshape(1, -1, heads, d).transpose(1, 2)
         k = attn.k_proj(h).reshape(1, -1, kv_heads, d).transpose(1, 2)
         v = attn.v_proj(h).reshape(1, -1, kv_heads, d).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Gemma 3: per-head RMSNorm before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rotate(q, inputs.rotary) * attn.scaling, rotate(k, inputs.rotary)
+        q, k = rotate(q, inputs.rotary), rotate(k, inputs.rotary)
         # transformers' Gemma 3 attention does not pass the soft-cap on (module docstring).
         cap = attn.config.attn_logit_softcapping if attn.config.model_type == "gemma2" else None
-        o = cached_attention(q, k, v, past_k, past_v, inputs.bias, (heads, kv_heads, d), cap)
-        return o, k, v
+        return attend(q, k, v, past_k, past_v, inputs, shape, attn.scaling, cap)
 
     @staticmethod
     def residual(layer: nn.Module, x: torch.Tensor, h: torch.Tensor,

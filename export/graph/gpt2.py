@@ -1,13 +1,12 @@
 """GPT-2: learned positions, LayerNorm, fused qkv (Conv1D), one KV head per query head, no
-rotary; portable attention only."""
+rotary."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from specedge.export.graph.attention import cached_attention
-from specedge.export.graph.decoder import Decoder, PortableInputs
+from specedge.export.graph.decoder import Decoder, FusedInputs, PortableInputs, attend
 
 
 class GPT2Decoder(Decoder):
@@ -37,7 +36,7 @@ class GPT2Decoder(Decoder):
 
     @staticmethod
     def attention(layer: nn.Module, h: torch.Tensor, past_k: torch.Tensor,
-                  past_v: torch.Tensor, inputs: PortableInputs
+                  past_v: torch.Tensor, inputs: PortableInputs | FusedInputs
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v split from one projection; q scaled as transformers scales it (by
         1/sqrt(head size) and, with `scale_attn_by_inverse_layer_idx`, 1/(layer + 1))."""
@@ -45,9 +44,8 @@ class GPT2Decoder(Decoder):
         q, k, v = attn.c_attn(h).split(attn.embed_dim, dim=2)
         q, k, v = (z.reshape(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
                    for z in (q, k, v))
-        o = cached_attention(q * attn.scaling, k, v, past_k, past_v, inputs.bias,
-                             (attn.num_heads, attn.num_heads, attn.head_dim))
-        return o, k, v
+        return attend(q, k, v, past_k, past_v, inputs,
+                      (attn.num_heads, attn.num_heads, attn.head_dim), attn.scaling)
 
     @staticmethod
     def residual(layer: nn.Module, x: torch.Tensor, h: torch.Tensor,

@@ -48,13 +48,8 @@ def llama_layer(layer: nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, .
 
 
 def llama_layer_fused(layer: nn.Module, x: torch.Tensor, past_k: torch.Tensor,
-                      past_v: torch.Tensor, lengths: tuple[torch.Tensor, torch.Tensor],
-                      rotary_cache: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                      window: int | None = None
+                      past_v: torch.Tensor, inputs: FusedInputs
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`llama_layer` on GroupQueryAttention: (x out, K buffer, V buffer), the buffers
-    written in place. lengths: (seqlens_k, total); rotary_cache: (cos, sin) tables;
-    positions: their rows for this call (rotary.py `gqa_positions`); window: the layer's
-    sliding window, if any."""
-    return LlamaFamilyDecoder.layer_step(layer, x, past_k, past_v,
-                                         FusedInputs(lengths, rotary_cache, positions, window))
+    written in place; `inputs` as graph/decoder.py `FusedInputs` describes them."""
+    return LlamaFamilyDecoder.layer_step(layer, x, past_k, past_v, inputs)

@@ -28,13 +28,13 @@ from specedge.export.graph.olmo2 import Olmo2Decoder
 from specedge.export.graph.phi3 import Phi3Decoder
 from specedge.export.graph.stablelm import StableLmDecoder
 from specedge.export.onnx_files import load_array, load_graph, save_graph
-from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, graph_io
+from specedge.runtime.bundle import FEATURES_IN, FEATURES_KEEP, FEATURES_OUT, graph_io
 
 OPSET = 21
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 6
+GRAPH_REVISION = 7
 # The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
 # family's hooks.
 DECODERS: dict[str, type[Decoder]] = {
@@ -114,12 +114,18 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
             *[torch.zeros(1, kv, capacity, d, dtype=dtype) for _ in range(2 * n)])
     if reads:
         args += (torch.zeros(1, t, model.config.hidden_size, dtype=dtype),)
-    inputs, outputs = graph_io(n, reads, bool(features) or reads)
+    # A target's features: for the last features_to_keep positions (runtime/bundle.py).
+    keeps = bool(features) and not reads
+    if keeps:
+        args += (torch.tensor([t]),)
+    inputs, outputs = graph_io(n, reads, bool(features) or reads, keeps)
     dynamic = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "logits": {1: "N"}}
     for name in inputs[4:]:
-        dynamic[name] = {1: "T"} if name == FEATURES_IN else {2: "C"}
+        if name != FEATURES_KEEP:
+            dynamic[name] = {1: "T"} if name == FEATURES_IN else {2: "C"}
     for name in outputs[1:]:
-        dynamic[name] = {1: "T"} if name == FEATURES_OUT else {2: "C" if fused else "T"}
+        dynamic[name] = ({1: "F" if keeps else "T"} if name == FEATURES_OUT
+                         else {2: "C" if fused else "T"})
     if reads and fused:
         model.fuse_attention()
     module = model if reads else wrap(model, features, fused)

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specedge.runtime.bundle import FEATURES_IN, FEATURES_OUT, KV_LAYOUT_IN_PLACE, ModelSpec
+from specedge.runtime.bundle import (
+    FEATURES_IN,
+    FEATURES_KEEP,
+    FEATURES_OUT,
+    KV_LAYOUT_IN_PLACE,
+    ModelSpec,
+)
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 from specedge.runtime.kv_cache import KVCache, check_call
 
@@ -25,7 +31,8 @@ PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 
 @dataclass
 class _Binding:
-    """IO binding for one (T tokens, N kept logits) shape, with the buffers it points to."""
+    """IO binding for one (T tokens, N kept logits, F kept features) shape, with the buffers
+    it points to."""
 
     io: object
     ids: np.ndarray       # [2, 1, T]: input_ids, position_ids
@@ -33,7 +40,7 @@ class _Binding:
     presents: np.ndarray | None  # [2 * layers, 1, kv_heads, T, head_dim]: new K, V rows
     #                              (None: the graph writes them into the cache in place)
     features_in: np.ndarray | None   # [1, T, H], a feature draft's input
-    features_out: np.ndarray | None  # [1, T, H], a graph's feature output
+    features_out: np.ndarray | None  # [1, F, H], a graph's feature output
 
 
 class OrtCpuBackend:
@@ -42,7 +49,7 @@ class OrtCpuBackend:
     The cache buffers, the small int inputs and the output buffers are bound by address, so a
     step allocates nothing and copies only the T new K/V rows (nothing, for a graph that
     writes them in place: its presents are bound to the cache buffers). One binding is kept per
-    (T, N) shape in use (the target alternates K+1 and smaller T, the draft 1 and 2), and
+    (T, N, F) shape in use (the target alternates K+1 and smaller T, the draft 1 and 2), and
     all are dropped when the cache changes.
     """
 
@@ -67,8 +74,13 @@ class OrtCpuBackend:
         self._inputs, self._outputs = spec.io()
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
+        # Whether a graph that takes features_to_keep computes its features (every row) or
+        # none: the generator turns them off while no feature draft reads them, which saves
+        # a feature draft's fuse product in plain decoding (runtime/bundle.py).
+        self.keep_features = True
+        self._features_keep = np.zeros(1, np.int64)
         self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
-        self._bindings: dict[tuple[int, int], _Binding] = {}
+        self._bindings: dict[tuple[int, int, int], _Binding] = {}
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
         self.features: np.ndarray | None = None  # [T, H] of the last call (feature output)
 
@@ -78,19 +90,22 @@ class OrtCpuBackend:
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity,
                        spare=int(self.one_token_as_two))
 
-    def _bind(self, cache: KVCache, t: int, n: int) -> _Binding:
-        """Bind every tensor for T input tokens and N kept logits."""
+    def _bind(self, cache: KVCache, t: int, n: int, f: int) -> _Binding:
+        """Bind every tensor for T input tokens, N kept logits and F kept features."""
         s = self.spec
         row = (1, s.num_kv_heads, t, s.head_dim)
         in_place = s.kv_layout == KV_LAYOUT_IN_PLACE
         presents = None if in_place else np.zeros((2 * s.num_layers, *row), np.float32)
-        width = (1, t, s.features)
+        width, kept = (1, t, s.features), (1, f, s.features)
         b = _Binding(io=self.session.io_binding(), ids=np.zeros((2, 1, t), np.int64),
                      logits=np.zeros((1, n, s.vocab_size), np.float32), presents=presents,
                      features_in=np.zeros(width, np.float32) if s.reads_features else None,
-                     features_out=np.zeros(width, np.float32) if s.features else None)
-        for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
-                          ("past_length", self._past_length), ("logits_to_keep", self._keep)):
+                     features_out=np.zeros(kept, np.float32) if s.features else None)
+        ints = [("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
+                ("past_length", self._past_length), ("logits_to_keep", self._keep)]
+        if s.keeps_features:
+            ints.append((FEATURES_KEEP, self._features_keep))
+        for name, arr in ints:
             b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
         for i in range(s.num_layers):
             for name, buf in ((self._inputs[4 + 2 * i], cache.keys[i]),
@@ -105,7 +120,7 @@ class OrtCpuBackend:
             b.io.bind_input(FEATURES_IN, "cpu", 0, np.float32, list(width),
                             b.features_in.ctypes.data)
         if b.features_out is not None:
-            b.io.bind_output(FEATURES_OUT, "cpu", 0, np.float32, list(width),
+            b.io.bind_output(FEATURES_OUT, "cpu", 0, np.float32, list(kept),
                              b.features_out.ctypes.data)
         return b
 
@@ -114,7 +129,8 @@ class OrtCpuBackend:
         """Run T tokens; returns logits [logits_to_keep, vocab] (a view, valid until the next
         call with the same T and logits_to_keep) and appends their K/V rows to `cache`.
         A feature draft takes `features` [T, H]; a graph with feature output leaves its
-        [T, H] in `self.features` (a view, valid as long as the logits)."""
+        [T, H] in `self.features` (a view, valid as long as the logits), or None where
+        `keep_features` is off."""
         t = len(token_ids)
         check_call(cache, t, logits_to_keep)
         if self.spec.reads_features and (features is None or len(features) != t):
@@ -127,10 +143,11 @@ class OrtCpuBackend:
                       and cache.length + 2 <= self.spec.max_context)
         if padded:
             token_ids, t, logits_to_keep = [token_ids[0]] * 2, 2, 2
-        key = (t, logits_to_keep)
+        f = t if self.keep_features or not self.spec.keeps_features else 0
+        key = (t, logits_to_keep, f)
         b = self._bindings.get(key)
         if b is None:
-            b = self._bind(cache, t, logits_to_keep)
+            b = self._bind(cache, t, logits_to_keep, f)
             if t <= MAX_KEPT_T:  # decode shapes recur; a prefill's length rarely does
                 self._bindings[key] = b
         b.ids[0, 0] = token_ids
@@ -139,6 +156,7 @@ class OrtCpuBackend:
         b.ids[1, 0] = np.arange(cache.length, cache.length + t)
         self._past_length[0] = cache.length
         self._keep[0] = logits_to_keep
+        self._features_keep[0] = f
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
@@ -146,7 +164,8 @@ class OrtCpuBackend:
             cache.advance(t - padded)
         else:
             cache.write(b.presents[:, :, :, :t - padded])
-        self.features = None if b.features_out is None else b.features_out[0][:t - padded]
+        self.features = None if b.features_out is None or not f else \
+            b.features_out[0][:t - padded]
         return b.logits[0][:1] if padded else b.logits[0]
 
 

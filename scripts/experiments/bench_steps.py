@@ -9,12 +9,11 @@ round by round.
 Options: `spin` (threads spin while they wait; default off), `t1` (one intra-op thread;
 default one per core), `onerow` (a one-token step as one row, not two: faster, but its
 logits are not a verification call's, so greedy speculative output could differ from plain
-decoding; a bound, not a setting), `nofeat` (the graph without its feature-draft head: the
-bundle's target.onnx with the `hidden_states` output and the nodes only it needs removed,
-written to BUNDLE_nofeat/; also a bound). E.g.
+decoding; a bound, not a setting), `feat` (the graph computes its feature-draft
+features, as it does while a feature draft drafts; plain decoding skips them) E.g.
 
     python scripts/experiments/bench_steps.py exact:bundles/a exact-spin:bundles/a:spin \\
-        search:bundles/b search-bound:bundles/b:spin:onerow:nofeat
+        search:bundles/b search-bound:bundles/b:spin:onerow
 
 Each round prefills the first shipped prompt, then runs `--steps` one-token steps fed the
 tokens of another shipped prompt.
@@ -23,7 +22,6 @@ tokens of another shipped prompt.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -32,36 +30,10 @@ from pathlib import Path
 from specedge.bench.intervals import ratio_ci
 from specedge.prompts import load_prompts
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
-from specedge.runtime.bundle import FEATURES_OUT, load_bundle
+from specedge.runtime.bundle import load_bundle
 from specedge.runtime.text import TextCodec
 
-OPTIONS = ("spin", "t1", "onerow", "nofeat")
-
-
-def without_features(bundle: Path) -> Path:
-    """BUNDLE_nofeat/target.onnx: the target without `hidden_states` and the nodes and
-    tensors that only it needs."""
-    import onnx
-
-    out = Path(f"{str(bundle).rstrip('/')}_nofeat") / "target.onnx"
-    if out.exists():
-        return out
-    model = onnx.load(str(Path(bundle) / "target.onnx"))
-    graph = model.graph
-    outputs = [o for o in graph.output if o.name != FEATURES_OUT]
-    needed, kept = {o.name for o in outputs}, []
-    for node in reversed(list(graph.node)):
-        if any(o in needed for o in node.output):
-            kept.append(node)
-            needed.update(i for i in node.input if i)
-    tensors = [t for t in graph.initializer if t.name in needed]
-    del graph.output[:], graph.node[:], graph.initializer[:]
-    graph.output.extend(outputs)
-    graph.node.extend(reversed(kept))
-    graph.initializer.extend(tensors)
-    out.parent.mkdir(exist_ok=True)
-    onnx.save(model, str(out))
-    return out
+OPTIONS = ("spin", "t1", "onerow", "feat")
 
 
 def backend_of(variant: str) -> tuple[str, str, OrtCpuBackend]:
@@ -69,12 +41,11 @@ def backend_of(variant: str) -> tuple[str, str, OrtCpuBackend]:
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise SystemExit(f"unknown options {sorted(unknown)} in {variant!r}; known: {OPTIONS}")
-    spec = load_bundle(bundle).target
-    if "nofeat" in options:
-        spec = dataclasses.replace(spec, path=without_features(Path(bundle)), features=0)
-    return name, bundle, OrtCpuBackend(spec, threads=1 if "t1" in options else None,
-                                       one_token_as_two="onerow" not in options,
-                                       spinning="spin" in options)
+    backend = OrtCpuBackend(load_bundle(bundle).target, threads=1 if "t1" in options else None,
+                            one_token_as_two="onerow" not in options,
+                            spinning="spin" in options)
+    backend.keep_features = "feat" in options
+    return name, bundle, backend
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """Gemma 2 and Gemma 3 text (export/graph/gemma.py) on tiny random-weight models
 with every Gemma feature on and a sliding window (8) shorter than the prompts: the graphs
 match transformers, plain decoding of the bundle is transformers' greedy generate,
-speculative decoding equals plain, int8 exports and decodes, and fused attention is
-refused."""
+speculative decoding equals plain, and fused attention (GroupQueryAttention with
+soft-capping, q and k rotated by the graph: what int8 gets by default) matches
+transformers and keeps int8 speculative decoding equal to plain."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from transformers import AutoConfig
 
 from specedge.export.bundle_writer import VERIFY_PROMPT, export_bundle
 from specedge.export.drafts.truncated import attach_head, truncated_draft
-from specedge.export.graph.families import fused_attention
+from specedge.export.graph.families import fused_attention, kernel_rotates
 from specedge.export.graph.gemma import check_gemma
 from specedge.export.graph.trace import wrap
 from specedge.export.sources import load_model
@@ -85,9 +86,10 @@ def test_plain_decoding_is_transformers_greedy_generate(gemma):
         assert len(set(theirs)) > 3  # text, not one repeated token
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_speculative_equals_plain(gemma, k):
-    gen = Generator.from_bundle(gemma[2])
+def _speculative_equals_plain(bundle, k: int) -> None:
+    """Greedy speculative tokens (the model draft, K = k) equal plain ones on PROMPTS, with
+    the draft called."""
+    gen = Generator.from_bundle(bundle)
     for prompt in PROMPTS:
         plain = gen.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, use_draft=False)
         spec = gen.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, draft_tokens=k,
@@ -96,19 +98,18 @@ def test_speculative_equals_plain(gemma, k):
         assert spec.stats["draft_calls"] > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_equals_plain(gemma, k):
+    _speculative_equals_plain(gemma[2], k)
+
+
 def test_a_checkpoint_draft_stays_exact(gemma, tmp_path):
     """--draft: another (2-layer) model of the family with the same tokenizer."""
     arch, checkpoint, _, _ = gemma
     draft = save_tiny_gemma(tmp_path / "draft", arch, layers=2, seed=1)
     manifest = export_bundle(str(checkpoint), tmp_path / "b", draft=str(draft))
     assert manifest["models"]["draft"]["num_layers"] == 2
-    gen = Generator.from_bundle(tmp_path / "b")
-    for prompt in PROMPTS:
-        plain = gen.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, use_draft=False)
-        spec = gen.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, draft_tokens=2,
-                            drafter="model")
-        assert spec.token_ids == plain.token_ids
-        assert spec.stats["draft_calls"] > 0
+    _speculative_equals_plain(tmp_path / "b", 2)
 
 
 def test_truncated_draft_keeps_the_layer_kinds(gemma):
@@ -134,8 +135,8 @@ def test_int8_exports_and_decodes(gemma, tmp_path):
     manifest = export_bundle(str(checkpoint), tmp_path / "int8", draft_layers=1,
                              precision="int8")
     for role in ("target", "draft"):
-        # auto attention: portable, since Gemma has no fused form
-        assert manifest["models"][role]["kv_layout"] == "bhsd-fixed"
+        # auto attention at int8: fused, which is what keeps speculation exact
+        assert manifest["models"][role]["kv_layout"] == "bhsd-inplace"
         graph = onnx.load(str(tmp_path / "int8" / f"{role}.onnx")).graph
         assert any(n.op_type == "MatMulNBits" for n in graph.node)
     assert manifest["quantization"]["greedy_agreement"] >= 0.9
@@ -147,20 +148,34 @@ def test_int8_exports_and_decodes(gemma, tmp_path):
         out = int8.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, use_draft=False)
         assert len(out.token_ids) == NEW_TOKENS
         same += int(np.array_equal(out.token_ids[:8], ref.token_ids[:8]))
-        spec = int8.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, draft_tokens=2)
-        assert len(spec.token_ids) == NEW_TOKENS and spec.stats["draft_calls"] > 0
+        spec = int8.generate(prompt, raw=True, max_new_tokens=NEW_TOKENS, draft_tokens=2,
+                             drafter="model")
+        assert spec.token_ids == out.token_ids
+        assert spec.stats["draft_calls"] > 0
     assert same >= 1  # int8 starts as fp32 does on at least one prompt
 
 
-def test_fused_attention_is_refused(gemma, tmp_path):
+def test_fused_attention_matches_transformers(gemma, tmp_path):
+    """fp32 with --attention fused: one GroupQueryAttention per layer, soft-capped
+    (Gemma 2) and windowed, fed q and k the graph rotated with the layer kind's tables;
+    the graphs match transformers and speculative decoding equals plain."""
     arch, checkpoint, _, _ = gemma
     config = AutoConfig.from_pretrained(checkpoint)
-    with pytest.raises(ValueError, match="--attention portable"):
-        fused_attention("fused", "int8", config)
-    assert not fused_attention("auto", "int8", config)
-    with pytest.raises(ValueError, match=f"not available for '{arch}'"):
-        export_bundle(str(checkpoint), tmp_path / "b", attention="fused")
-    assert not (tmp_path / "b").exists()
+    assert fused_attention("auto", "int8", config)
+    assert not kernel_rotates(config)
+    manifest = export_bundle(str(checkpoint), tmp_path / "b", draft_layers=1,
+                             attention="fused", verify=True)
+    for role in ("target", "draft"):
+        report = manifest["verify"][role]
+        assert report["ok"] and report["max_abs_logit_diff"] < 1e-4, report
+        assert manifest["models"][role]["kv_layout"] == "bhsd-inplace"
+    nodes = [n for n in onnx.load(str(tmp_path / "b" / "target.onnx")).graph.node
+             if n.op_type == "GroupQueryAttention"]
+    assert len(nodes) == config.num_hidden_layers
+    caps = {a.name: a for a in nodes[0].attribute}
+    assert caps["do_rotary"].i == 0
+    assert caps["softcap"].f == pytest.approx(config.attn_logit_softcapping or 0.0)
+    _speculative_equals_plain(tmp_path / "b", 3)
 
 
 def test_a_distilled_head_keeps_minus_infinity(tmp_path):

@@ -11,7 +11,7 @@ from tiny_models import LONGROPE_ORIGINAL, MORE_ARCHITECTURES, save_tiny_more, t
 from transformers import AutoModelForCausalLM
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.export.graph.families import fused_attention, model_dims_of
+from specedge.export.graph.families import fused_attention, kernel_rotates, model_dims_of
 from specedge.export.graph.trace import wrap
 from specedge.runtime import Generator
 
@@ -104,13 +104,14 @@ def test_family_int8_exports_and_decodes(arch, checkpoints, draft_checkpoints, t
 
 @pytest.mark.parametrize("arch, kwargs, fused", [
     *[(arch, {}, fused) for arch in MORE_ARCHITECTURES for fused in (False, True)],
-    ("phi3", {"hidden_size": 32}, False),
+    *[(arch, {"hidden_size": 32}, fused) for arch in MORE_ARCHITECTURES
+      for fused in (False, True)],
     ("stablelm", {"parallel": False}, False), ("stablelm", {"parallel": False}, True)])
 def test_export_module_computes_what_transformers_computes(arch, kwargs, fused):
     """The export module, eagerly, against the model's own forward: a prompt call, then a
     call of several tokens over the cache (what a verification is), in portable and fused
-    form. Covers variants not exported above: StableLM's sequential residual, Phi-3 with
-    heads of 32 (portable only: refused below)."""
+    form. Covers variants not exported above: StableLM's sequential residual, and heads
+    the kernel cannot rotate (hidden size 32: the graph rotates them, see below)."""
     model = tiny_more(arch, **kwargs)
     dims = model_dims_of(model.config)
     ids = torch.randint(3, 34, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -168,15 +169,19 @@ def test_phi3_longrope_context_stops_at_the_original_length(checkpoints, tmp_pat
 @pytest.mark.parametrize("arch, kwargs, rotary", [
     ("phi3", {"hidden_size": 32}, 24), ("stablelm", {"hidden_size": 32}, 8),
     ("granite", {"hidden_size": 32}, 8), ("olmo2", {"hidden_size": 32}, 8)])
-def test_fused_attention_refused_where_the_kernel_cannot_be_exact(arch, kwargs, rotary):
-    """ONNX Runtime's GroupQueryAttention takes heads of a multiple of 16 and rotates a
-    multiple of 16 dims: a model without that gets portable attention from auto and a
-    message naming both sizes from --attention fused."""
+def test_the_graph_rotates_where_the_kernel_cannot(arch, kwargs, rotary):
+    """ONNX Runtime's GroupQueryAttention rotates a multiple of 16 dims of heads of a
+    multiple of 16: a model without that (head size 32 with 24 rotary dims, or heads of 8)
+    still gets fused attention from auto at int8, with q and k rotated in the graph (whose
+    eager form is checked against transformers above)."""
     cfg = tiny_more(arch, **kwargs).config
-    assert not fused_attention("auto", "int8", cfg)
-    with pytest.raises(ValueError, match=f"rotary size {rotary}: export it with "
-                                         "--attention portable"):
-        fused_attention("fused", "fp32", cfg)
+    dims = model_dims_of(cfg)
+    rotated = int(dims["head_dim"] * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert rotated == rotary
+    assert fused_attention("auto", "int8", cfg)
+    assert not fused_attention("auto", "fp32", cfg)
+    assert not kernel_rotates(cfg)
+    assert kernel_rotates(tiny_more(arch).config)
 
 
 @pytest.mark.parametrize("arch", MORE_ARCHITECTURES)

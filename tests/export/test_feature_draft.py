@@ -244,9 +244,12 @@ def test_layer_features_of_a_grown_last_chunk_are_made_again(tiny_checkpoints, t
     assert len(torch.load(chunk)) == 16
 
 
-def test_layered_bundle_verifies_and_is_exact(layered_draft, tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_layered_bundle_verifies_and_is_exact(layered_draft, tiny_checkpoints, tmp_path,
+                                              precision):
+    """fp32 and int4 (whose fuse product runs on no rows in plain decoding)."""
     manifest = export_bundle(str(tiny_checkpoints["llama"]), tmp_path / "b",
-                             draft=str(layered_draft[0]), verify=True)
+                             draft=str(layered_draft[0]), verify=True, precision=precision)
     assert manifest["verify"]["target"]["ok"] and manifest["verify"]["draft"]["ok"]
     gen = Generator.from_bundle(tmp_path / "b")
     drafted = 0
@@ -278,6 +281,60 @@ def test_target_graph_outputs_the_mixed_features(tiny_checkpoints, tmp_path):
     prompt = [1, 10, 7, 12, 9]
     assert verify_graph(target, tmp_path / "t.onnx", prompt, features=draft)["ok"]
     assert not verify_graph(target, tmp_path / "t.onnx", prompt, features=True)["ok"]
+
+
+def test_features_are_computed_for_the_kept_positions_only(tiny_checkpoints, tmp_path):
+    """features_to_keep F: the target graph's features are those of its last F positions,
+    the logits and K/V rows do not depend on it, and with F = 0 the fuse product runs on
+    no rows (plain decoding skips its work)."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from specedge.export.drafts.feature import FeatureDraft
+    from specedge.export.graph.trace import export_onnx
+    from specedge.export.sources import load_model
+
+    target, _ = load_model(tiny_checkpoints["llama"])
+    draft = FeatureDraft(target, torch.arange(HEAD), (0,))
+    export_onnx(target, str(tmp_path / "t.onnx"), features=draft)
+    model = onnx.load(str(tmp_path / "t.onnx"))
+    fuse = [n for n in model.graph.node if "hidden_states" in n.output]
+    assert fuse[0].op_type == "MatMul" and "fuse" in fuse[0].name
+    # what the fuse product multiplies: [rms(layer 0); final] of the kept positions
+    model.graph.output.append(onnx.helper.make_empty_tensor_value_info(fuse[0].input[0]))
+    session = ort.InferenceSession(model.SerializeToString())
+    names = [o.name for o in session.get_outputs()]
+    t, kv = 5, np.zeros((1, 2, 8, 8), np.float32)
+
+    def run(keep: int) -> dict:
+        feeds = {"input_ids": np.array([[1, 10, 7, 12, 9]]), "position_ids": np.arange(t)[None],
+                 "past_length": np.array([0]), "logits_to_keep": np.array([1]),
+                 "features_to_keep": np.array([keep])}
+        feeds |= {i.name: kv for i in session.get_inputs() if i.name.startswith("past_key_values")}
+        return dict(zip(names, session.run(None, feeds)))
+
+    every, last2, none = run(t), run(2), run(0)
+    assert every["hidden_states"].shape == (1, t, 32)
+    np.testing.assert_array_equal(last2["hidden_states"], every["hidden_states"][:, -2:])
+    assert none["hidden_states"].shape == (1, 0, 32)
+    assert none[fuse[0].input[0]].shape == (1, 0, 64)
+    assert every[fuse[0].input[0]].shape == (1, t, 64)
+    for name in names[:5]:  # logits and the K/V rows
+        np.testing.assert_array_equal(none[name], every[name])
+
+
+def test_features_are_computed_only_for_a_feature_draft(feature_bundle):
+    """The generator has the target compute its features only while a feature draft reads
+    them: not in plain decoding, not for prompt lookup alone."""
+    gen = Generator.from_bundle(feature_bundle[0])
+    assert gen.bundle.target.keeps_features
+    for drafter, use_draft, keeps in (("model", True, True), ("lookup+model", True, True),
+                                      ("prompt-lookup", True, False), ("model", False, False)):
+        gen.generate("the cat sat", raw=True, max_new_tokens=8, drafter=drafter,
+                     use_draft=use_draft)
+        assert gen.target.keep_features is keeps
+        assert (gen.target.features is not None) is keeps
 
 
 def test_a_new_layered_draft_reads_what_a_plain_one_does(tiny_checkpoints):

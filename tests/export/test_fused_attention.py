@@ -10,10 +10,11 @@ import numpy as np
 import onnx
 import pytest
 from test_cli import assert_one_line_error, call_main
+from tiny_models import save_tiny
 from transformers import AutoConfig
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.export.graph.families import fused_attention
+from specedge.export.graph.families import fused_attention, kernel_rotates
 from specedge.runtime import Generator
 from specedge.runtime.backends import load_backend
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
@@ -62,7 +63,7 @@ def test_fused_graph_declares_its_output_shapes(tiny_checkpoints, tmp_path):
               for o in graph.output}
     cfg = model.config
     assert shapes["logits"] == [1, "N", cfg.vocab_size]
-    assert shapes["hidden_states"] == [1, "T", cfg.hidden_size]
+    assert shapes["hidden_states"] == [1, "F", cfg.hidden_size]  # features_to_keep rows
     assert shapes["present.1.value"] == [1, cfg.num_key_value_heads, "C", 16]
 
 
@@ -89,11 +90,14 @@ def test_fused_module_computes_what_the_portable_module_computes(tiny_checkpoint
         assert torch.equal(buf[:, :, 7:], old[:, :, 7:])
 
 
-def test_fused_graph_passes_verify(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("arch", ["llama-h16", "llama", "gpt2"])
+def test_fused_graph_passes_verify(arch, tiny_checkpoints, tmp_path):
     """--verify: logits within 1e-3 of transformers over a prompt and 32 cached steps, and
-    the same 32 greedy tokens."""
-    manifest = export_bundle(str(tiny_checkpoints["llama-h16"]), tmp_path / "b",
+    the same 32 greedy tokens. Heads of 16 (the kernel rotates), of 8 (the graph rotates)
+    and GPT-2 (no rotary)."""
+    manifest = export_bundle(str(tiny_checkpoints[arch]), tmp_path / "b",
                              draft_layers=1, attention="fused", verify=True)
+    assert manifest["models"]["target"]["kv_layout"] == "bhsd-inplace"
     for role in ("target", "draft"):
         report = manifest["verify"][role]
         assert report["ok"], report
@@ -181,29 +185,33 @@ def test_fused_bundle_needs_a_recent_onnxruntime(tiny_fused_bundle, monkeypatch)
         OrtCpuBackend(load_bundle(tiny_fused_bundle).target)
 
 
-def test_attention_choice(tiny_checkpoints):
+def test_attention_choice(tiny_checkpoints, tmp_path):
     h16 = AutoConfig.from_pretrained(tiny_checkpoints["llama-h16"])
     h8 = AutoConfig.from_pretrained(tiny_checkpoints["llama"])
     gpt2 = AutoConfig.from_pretrained(tiny_checkpoints["gpt2"])
-    # auto: fused only for quantized graphs (ONNX Runtime CPU only anyway) that can have it
-    assert fused_attention("auto", "int8", h16) and fused_attention("auto", "int4", h16)
-    assert not fused_attention("auto", "fp32", h16) and not fused_attention("auto", "fp16", h16)
-    assert not fused_attention("auto", "int8", h8) and not fused_attention("auto", "int8", gpt2)
-    assert fused_attention("fused", "fp32", h16)
-    assert not fused_attention("portable", "int8", h16)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        fused_attention("fused", "int8", h8)
-    with pytest.raises(ValueError, match="'gpt2'"):
-        fused_attention("fused", "fp32", gpt2)
+    h6 = AutoConfig.from_pretrained(save_tiny(tmp_path / "h6", "llama", hidden_size=24))
+    # auto: fused for every quantized graph (ONNX Runtime CPU only anyway) that can have it,
+    # so that int8/int4 stay batch invariant; GroupQueryAttention needs heads of 8k dims
+    for config in (h16, h8, gpt2):
+        assert fused_attention("auto", "int8", config) and fused_attention("auto", "int4", config)
+        assert not fused_attention("auto", "fp32", config)
+        assert not fused_attention("auto", "fp16", config)
+        assert fused_attention("fused", "fp32", config)
+        assert not fused_attention("portable", "int8", config)
+    assert not fused_attention("auto", "int8", h6)
+    with pytest.raises(ValueError, match="multiple of 8.*not 6"):
+        fused_attention("fused", "int8", h6)
     with pytest.raises(ValueError, match="--attention must be one of"):
         fused_attention("flash", "fp32", h16)
+    # The kernel rotates where it can (16k dims); the graph rotates otherwise, or no rotary.
+    assert kernel_rotates(h16) and not kernel_rotates(h8) and not kernel_rotates(gpt2)
 
 
 def test_cli_refuses_fused_attention_it_cannot_build(capsys, tiny_checkpoints, tmp_path):
     out = tmp_path / "bundle"
-    code, stdout, err = call_main(capsys, "export", tiny_checkpoints["gpt2"], "--out", out,
-                                  "--attention", "fused")
-    assert_one_line_error(code, err, "--attention fused needs a Llama", "portable")
+    h6 = save_tiny(tmp_path / "h6", "llama", hidden_size=24)
+    code, stdout, err = call_main(capsys, "export", h6, "--out", out, "--attention", "fused")
+    assert_one_line_error(code, err, "--attention fused needs a head size", "portable")
     assert stdout == "" and not out.exists()
     code, stdout, err = call_main(capsys, "export", tiny_checkpoints["llama-h16"], "--out",
                                   out, "--attention", "fused", "--backend", "tensorrt")

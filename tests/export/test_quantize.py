@@ -73,19 +73,27 @@ def test_graphs_are_quantized(quantized, tiny_bundle):
 
 class _Graph:
     """One graph run by ONNX Runtime directly, its KV cache kept here in numpy: the bundle's
-    contract (past rows [0, past_length) of a fixed-capacity buffer in, the T new rows out)
-    written out again, so that the report is checked against what the graph computes, not
-    against the runtime's backends or the product's formulas."""
+    contract written out again, so that the report is checked against what the graph
+    computes, not against the runtime's backends or the product's formulas. Portable
+    graphs read past rows [0, past_length) of a fixed-capacity buffer and return the T new
+    rows; fused graphs (GroupQueryAttention) return the whole buffers with the rows
+    written, and take a one-token step as two rows, the token twice, keeping the first
+    (the runtime's batch-invariant step, docs/design.md)."""
 
     def __init__(self, path, capacity: int):
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        self.kv = {i.name: np.zeros((1, i.shape[1], capacity, i.shape[3]), np.float32)
+        self.kv = {i.name: np.zeros((1, i.shape[1], capacity + 1, i.shape[3]), np.float32)
                    for i in self.session.get_inputs() if i.name.startswith("past_key_values")}
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.in_place = any(n.op_type == "GroupQueryAttention"
+                            for n in onnx.load(str(path), load_external_data=False).graph.node)
         self.length = 0
 
     def __call__(self, ids: list[int], keep: int = 1) -> np.ndarray:
         """Logits [keep, V] of the last `keep` of `ids`; their K/V rows join the cache."""
+        padded = self.in_place and len(ids) == 1
+        if padded:
+            ids, keep = ids * 2, 2
         t = len(ids)
         logits, *presents = self.session.run(None, {
             "input_ids": np.array([ids], np.int64),
@@ -93,10 +101,13 @@ class _Graph:
             "past_length": np.array([self.length]), "logits_to_keep": np.array([keep]),
             **self.kv})
         for name, rows in zip(self.outputs[1:], presents):
-            past = self.kv[name.replace("present.", "past_key_values.")]
-            past[:, :, self.length:self.length + t] = rows
-        self.length += t
-        return logits[0]
+            past = name.replace("present.", "past_key_values.")
+            if self.in_place:
+                self.kv[past] = rows
+            else:
+                self.kv[past][:, :, self.length:self.length + t] = rows
+        self.length += t - padded
+        return logits[0][:1] if padded else logits[0]
 
 
 def _perplexity(path, ids: list[int], chunk: int = PERPLEXITY_CHUNK) -> float:

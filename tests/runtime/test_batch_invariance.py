@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import GEMMA_ARCHITECTURES, MORE_ARCHITECTURES, save_tiny_gemma, save_tiny_more
 
 from specedge.export.bundle_writer import export_bundle
 from specedge.prompts import load_prompts
@@ -71,6 +72,54 @@ def test_one_token_steps_leave_the_cache_as_one_row(tiny_quantized):
         assert cache.length == length
     with pytest.raises(ValueError, match="KV cache full"):
         backend.forward(cache, [9], 1)
+
+
+# Every family's tiny model; "phi3-h32" has heads of 32 with 24 rotary dims, which the kernel
+# cannot rotate (the graph rotates q and k before it, as for Gemma).
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", *GEMMA_ARCHITECTURES, *MORE_ARCHITECTURES,
+            "phi3-h32")
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tiny_checkpoints, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("families")
+    out = {arch: tiny_checkpoints[arch] for arch in ("llama", "qwen2", "mistral", "gpt2")}
+    out |= {arch: save_tiny_gemma(root / arch, arch) for arch in GEMMA_ARCHITECTURES}
+    out |= {arch: save_tiny_more(root / arch, arch) for arch in MORE_ARCHITECTURES}
+    out["phi3-h32"] = save_tiny_more(root / "phi3-h32", "phi3", hidden_size=32)
+    return out
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_every_family_is_batch_invariant_at_its_default_attention(
+        arch, precision, family_checkpoints, tmp_path):
+    """`--attention auto` at int8/int4 gives every family fused attention, whose rows equal
+    the one-token steps bit for bit; so greedy speculative decoding equals plain. The
+    backend without the two-row step (the negative control) differs."""
+    manifest = export_bundle(str(family_checkpoints[arch]), tmp_path / "b", draft_layers=1,
+                             precision=precision)
+    assert manifest["models"]["target"]["kv_layout"] == "bhsd-inplace"
+    assert manifest["quantization"]["batch_max_logit_diff"] == 0.0
+    spec = load_bundle(tmp_path / "b").target
+    prompt = list(range(3, 23))
+    rng = np.random.default_rng(0)
+    unpadded = []
+    for t in (2, 5):
+        new = [int(x) for x in rng.integers(3, spec.vocab_size, t)]
+        assert steps_against_one_call(OrtCpuBackend(spec), prompt, new) == 0.0
+        unpadded.append(steps_against_one_call(
+            OrtCpuBackend(spec, one_token_as_two=False), prompt, new))
+    assert max(unpadded) > 0.0
+    gen = Generator.from_bundle(tmp_path / "b")
+    drafted = 0
+    for ids in (prompt, list(range(5, 30, 2))):
+        plain = gen.generate(prompt_ids=ids, max_new_tokens=24, use_draft=False)
+        spec_out = gen.generate(prompt_ids=ids, max_new_tokens=24, draft_tokens=3,
+                                drafter="model")
+        assert spec_out.token_ids == plain.token_ids
+        drafted += spec_out.stats["draft_calls"]
+    assert drafted > 0
 
 
 SMOLLM2_PROMPTS = [p["prompt"] for p in load_prompts()]
