@@ -74,7 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_flag(p, help=None)
     add_spinning_flag(p)
     add_backend_flag(p, help="runtime backend of our configurations (default ort-cpu)")
-    p.add_argument("--out", type=Path, default=Path("bench_results"))
+    p.add_argument("--out", type=Path, default=Path("bench_results"),
+                   help="folder for bench.json, bench.md and the plots (default bench_results)")
+    p.add_argument("--store-auto-k", action="store_true",
+                   help="also store what auto K measured over the runs in the bundle's "
+                        "auto_k.json, replacing what the export measured, so that the next "
+                        "Generator on it starts from these figures (default: the bundle is "
+                        "left as it is; a run of a few prompts is a noisy measurement)")
 
 
 def _gguf(bundle: Path) -> Path | None:
@@ -223,7 +229,7 @@ def run(args: argparse.Namespace) -> dict:
                "max_new_tokens": args.max_new_tokens, "configurations": _table(runs)}
     if not args.quick:
         results.update(_systems(args, gen, runs, configs, prompt_ids))
-    results["auto_k"] = _store_measurements(gen)
+    results["auto_k"] = _store_measurements(gen) if args.store_auto_k else None
     return results
 
 

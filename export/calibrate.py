@@ -37,11 +37,19 @@ def calibrate(bundle: str | Path, prompts: int = 8, threads: int | None = None) 
         return Path(bundle) / auto_k_file.FILE
     gen = Generator.from_bundle(bundle, "ort-cpu", threads)
     limit = gen.context_limit(GenerationConfig.of(max_new_tokens=NEW_TOKENS))
-    fitting = [p for p in load_prompts()
-               if len(gen.encode_prompt(**prompt_input(p))) + NEW_TOKENS <= limit]
+    fitting = [p for p in load_prompts() if 0 < _length(gen, p) <= limit - NEW_TOKENS]
     if not fitting:
         return None
     for p in tqdm(spread(fitting, prompts), desc="measuring the draft", unit="prompt",
                   file=sys.stderr):
         gen.generate(**prompt_input(p), max_new_tokens=NEW_TOKENS)
     return gen.save_measurements("specedge export")
+
+
+def _length(gen: Generator, prompt: dict) -> int:
+    """The prompt's length in tokens; 0 when this bundle's tokenizer cannot encode it (a
+    word-level vocabulary can turn a prompt into no tokens at all)."""
+    try:
+        return len(gen.encode_prompt(**prompt_input(prompt)))
+    except ValueError:
+        return 0

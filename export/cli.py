@@ -20,9 +20,9 @@ from specedge.runtime.errors import SpecEdgeError
 if TYPE_CHECKING:
     from specedge.export.settings import ExportSettings
 
-# `--backend` names the backend the bundle is for, as in `generate` and `bench`; only
-# tensorrt needs more than the ONNX graphs (engines built for this machine's GPU).
-EXPORT_BACKENDS = ("onnx", "ort-cpu", "ort-cuda", "tensorrt")
+# `--backend`: onnx, the graphs every ONNX Runtime backend (ort-cpu, ort-cuda) runs, or
+# tensorrt, which also needs engines built for this machine's GPU.
+EXPORT_BACKENDS = ("onnx", "tensorrt")
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +43,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "(default): 16384 for vocabularies over 65536, else all")
     p.add_argument("--max-context", type=int, help="cap the context recorded in the bundle")
     p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
-                   help="weights of both graphs; int8/int4 are weight-only (MatMulNBits), "
-                   "fastest on CPU; the export reports the quantized target's change")
+                   help="weights of both graphs (default fp32); int8/int4 are weight-only "
+                   "(MatMulNBits), fastest on CPU; the export reports the quantized target's "
+                   "change")
     p.add_argument("--int4-grid", choices=("exact", "search"), default="exact",
                    help="int4 only: exact (default) keeps each block's float offset in a small "
                    "extra product (a GGUF Q4_1 model's weights exactly); search picks an "
@@ -65,16 +66,28 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    "portable")
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
-    p.add_argument("--backend", choices=EXPORT_BACKENDS, default="onnx",
-                   help="the backend the bundle is for: onnx (default), ort-cpu or ort-cuda "
-                   "write ONNX graphs only; tensorrt also builds TensorRT engines for this "
-                   "machine's GPU (fp16; on TensorRT 11 the export's precision; see "
-                   "`specedge build` for options)")
+    p.add_argument("--backend", type=export_backend, default="onnx", metavar="{onnx,tensorrt}",
+                   help="onnx (default): the ONNX graphs, which the ort-cpu and ort-cuda "
+                   "backends run; tensorrt: also build TensorRT engines for this machine's "
+                   "GPU (fp16; on TensorRT 11 the export's precision; see `specedge build` "
+                   "for options)")
     p.add_argument("--force", action="store_true", help="re-export even if up to date")
     p.add_argument("--measure-prompts", type=int, default=8, metavar="N",
                    help="after export, run N shipped prompts (default 8; 0: skip) and store "
                    "the draft's acceptance and this machine's step costs in the bundle "
                    "(auto_k.json), where auto K starts from them")
+
+
+def export_backend(value: str) -> str:
+    """argparse type of export's --backend: one of EXPORT_BACKENDS; a runtime backend's name
+    is answered with the export backend that serves it."""
+    if value in EXPORT_BACKENDS:
+        return value
+    if value in ("ort-cpu", "ort-cuda"):
+        raise argparse.ArgumentTypeError(f"{value} runs the bundle's ONNX graphs: export with "
+                                         "--backend onnx (the default)")
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(EXPORT_BACKENDS)}, got "
+                                     f"{value!r}")
 
 
 def head_tokens_argument(value: str) -> int | str:
@@ -108,22 +121,25 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_distill_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m",
-                   help="checkpoint folder, .gguf file, or alias (default smollm2-135m)")
+    p.add_argument("model", nargs="?", help="the target: checkpoint folder, .gguf file, or "
+                   "alias (default smollm2-135m); or give it as --model, as for export")
+    p.add_argument("--model", "--target", dest="model_option", metavar="MODEL",
+                   help="the same as the positional MODEL")
     p.add_argument("--out", required=True, help="draft folder (resumes a run found there)")
     p.add_argument("--kind", choices=("model", "feature"), default="model",
-                   help="model: a small model on tokens; feature: one layer on the target's "
-                   "features (EAGLE; runs on ort-cpu), usually accepted more often")
+                   help="model (default): a small model on tokens; feature: one layer on the "
+                   "target's features (EAGLE; runs on ort-cpu), usually accepted more often")
     p.add_argument("--layers", type=int, default=2,
                    help="decoder layers of a model draft (default 2)")
     p.add_argument("--feature-layers", type=int, nargs="+", default=[], metavar="I",
                    help="a feature draft also reads these target layers' outputs, mixed with "
-                   "the last one's (EAGLE-3; 0-based, e.g. 2 15)")
+                   "the last one's (EAGLE-3; 0-based, e.g. 2 15; default none)")
     p.add_argument("--mlp-width", type=int, default=None, metavar="N",
                    help="a cheaper draft: N neurons in each draft layer's MLP, kept from the "
                    "target's largest (default: as many as the target's)")
-    p.add_argument("--head-tokens", type=int, default=8192,
-                   help="output head size: the most frequent tokens (default 8192)")
+    p.add_argument("--draft-head-tokens", "--head-tokens", dest="head_tokens", type=int,
+                   default=8192, metavar="N",
+                   help="the draft's output head: the N most frequent tokens (default 8192)")
     p.add_argument("--prompts", type=int, default=1200,
                    help="training prompts (default 1200)")
     p.add_argument("--varied-prompts", type=int, default=0,
@@ -136,12 +152,14 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests the target writes itself (Magpie), filtered and answered "
                    "after the others: prompts closer to real chat; adding them to a finished "
                    "run keeps its data (default 0)")
-    p.add_argument("--new-tokens", type=int, default=128, help="answer length per prompt")
+    p.add_argument("--new-tokens", type=int, default=128,
+                   help="answer length per prompt (default 128)")
     p.add_argument("--generate-batch", type=int, default=32, metavar="N",
                    help="prompts the target answers at once (default 32); a larger batch is "
                    "faster and takes more memory")
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=6, help="default 6")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the prompts, the generation and the training (default 0)")
 
 
 # ONNX weight precisions TensorRT can parse (int8/int4 are ONNX Runtime's MatMulNBits).
@@ -171,12 +189,15 @@ def _tensorrt_preflight(args: argparse.Namespace) -> str:
     return "fp16"
 
 
-def model_argument(args: argparse.Namespace) -> str:
-    """MODEL, given positionally or as --model (once)."""
+def model_argument(args: argparse.Namespace, command: str = "export",
+                   default: str | None = None) -> str:
+    """MODEL, given positionally or as --model (once); `default` when neither is given."""
     given = [m for m in (args.model, getattr(args, "model_option", None)) if m is not None]
+    if not given and default is not None:
+        return default
     if len(given) != 1:
-        fail("give the model once: `specedge export MODEL --out DIR` or `specedge export "
-             "--model MODEL --out DIR`")
+        fail(f"give the model once: `specedge {command} MODEL --out DIR` or `specedge "
+             f"{command} --model MODEL --out DIR`")
     return given[0]
 
 
@@ -254,14 +275,17 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _measure(bundle: str, prompts: int):
-    """calibrate.calibrate, failing with a message that keeps the exported bundle."""
+    """calibrate.calibrate; the measurement is optional (auto K then starts from its
+    prior), so its failure is a warning and the export still succeeds."""
     from specedge.export.calibrate import calibrate
 
     try:
         return calibrate(bundle, prompts)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
-        fail(f"the bundle {bundle} was exported, but measuring its draft failed: "
-             f"{one_line(e)}; run again with --measure-prompts 0 to skip the measurement")
+        print(f"specedge export: warning: the bundle {bundle} was exported, but measuring its "
+              f"draft failed ({one_line(e)}); auto K starts from its prior until `specedge "
+              "bench --store-auto-k` measures it", file=sys.stderr)
+        return None
     except KeyboardInterrupt:
         fail(f"interrupted; the bundle {bundle} was exported without auto_k.json")
 
@@ -269,7 +293,8 @@ def _measure(bundle: str, prompts: int):
 def run_distill(args: argparse.Namespace) -> None:
     """`specedge distill`: train a draft for a target; resumable."""
     _, train = _export_modules()
-    cfg = train.DistillConfig(target=args.target, kind=args.kind, layers=args.layers,
+    target = model_argument(args, "distill", default="smollm2-135m")
+    cfg = train.DistillConfig(target=target, kind=args.kind, layers=args.layers,
                         head_tokens=args.head_tokens, prompts=args.prompts,
                         varied_prompts=args.varied_prompts,
                         more_prompts=args.more_prompts, self_prompts=args.self_prompts,

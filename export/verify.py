@@ -7,6 +7,7 @@ A feature draft is checked against its own torch module (`verify_feature_draft`)
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +119,15 @@ def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps
 
     ref_tokens, graph_tokens = [], []
     past = out.past_key_values
+    # transformers renamed forward's `past_key_values` to `cache` (5.24, the old name warns)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
     ref_next, graph_next = vocab_id(np.argmax(ref[-1])), vocab_id(np.argmax(got[-1]))
     for _ in range(steps):
         ref_tokens.append(ref_next)
         graph_tokens.append(graph_next)
         with torch.no_grad():
-            out = model(torch.tensor([[ref_next]]), past_key_values=past, use_cache=True)
+            out = model(torch.tensor([[ref_next]]), use_cache=True, **{cache_arg: past})
         past = out.past_key_values
         ref_logits = out.logits[0, -1].numpy()[cols]
         # Feed the graph the reference token so both see the same inputs at every step.

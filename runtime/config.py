@@ -16,6 +16,9 @@ from specedge.runtime.sampling import SparseProbs, process_row_with_checked_sett
 DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 # `draft_tokens="auto"` picks K in [0, AUTO_MAX_K] before every step (drafting/auto_k.py).
 AUTO_MAX_K = 8
+# A fixed K beyond this drafts tokens no draft gets accepted (acceptance decays with the
+# position), while each one still costs a draft call and a row of the verification.
+MAX_DRAFT_TOKENS = 32
 DEFAULT_DRAFTER = "lookup+model"  # matched or beat the model alone in every bench category
 # Whether ONNX Runtime's intra-op threads spin while they wait for work: True, False, or
 # "auto": spin while other processes leave the CPUs idle (runtime/cpu_load.py). On a 2-core
@@ -90,8 +93,10 @@ def check_draft_tokens(value: object, greedy: bool) -> tuple[int, bool]:
         value = "auto" if greedy else SAMPLED_DEFAULT_K
     if value == "auto":
         return AUTO_MAX_K, True
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"draft_tokens must be an integer >= 1 or 'auto', got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or "
+                         f"'auto', got {value!r}")
     return int(value), False
 
 
@@ -115,15 +120,48 @@ def check_seed(seed: object) -> int | None:
     return seed
 
 
+def check_text(text: str, what: str) -> str:
+    """`text` if it is Unicode the tokenizer can take: no lone surrogate (what JSON's
+    "\\ud800" or a command line's invalid UTF-8 bytes become in Python)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: character {e.start} is "
+                         f"{text[e.start]!r}, a lone surrogate (invalid UTF-8 or a lone "
+                         "\\uD800-\\uDFFF escape); send UTF-8 text") from None
+    return text
+
+
+# Stop strings are searched for in the new text after every step, so their number and length
+# bound that work: OpenAI's API takes 4; these leave room for templates with many end markers.
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 256
+
+
 def check_stop(stop: object) -> list[str]:
-    """None, one string, or a list of strings; empty strings are ignored."""
+    """None, one string, or a list of up to MAX_STOP_STRINGS strings of up to
+    MAX_STOP_LENGTH characters; empty strings are ignored."""
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise ValueError(f"stop must be a string or a list of strings, got {short_repr(stop)}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
+                         "allowed")
+    for i, s in enumerate(stop):
+        if len(s) > MAX_STOP_LENGTH:
+            raise ValueError(f"stop string {i} has {len(s)} characters; at most "
+                             f"{MAX_STOP_LENGTH} are allowed")
+        check_text(s, f"stop string {i}")
     return [s for s in stop if s]
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters for a message."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
 
 
 def check_token_ids(ids: object, vocab_size: int) -> list[int]:

@@ -23,7 +23,7 @@ from tokenizers import Encoding, Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from specedge.runtime.bundle import Bundle
-from specedge.runtime.config import check_token_ids
+from specedge.runtime.config import check_text, check_token_ids
 from specedge.runtime.errors import BundleError
 
 # Roles are identifiers ("system", "user", "assistant", "tool", ...): no whitespace, which a
@@ -67,7 +67,7 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Plain text with the tokenizer's own special tokens (as `tokenizer(text)` does)."""
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(check_text(text, "the prompt")).ids
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Messages through the chat template, with the assistant turn opened.
@@ -80,8 +80,8 @@ class TextCodec:
         if self._template is None:
             raise ValueError("this bundle has no chat template: pass prompt= (or --raw)")
         messages = list(messages)
-        for m in messages:
-            self._check_message(m)
+        for i, m in enumerate(messages):
+            self._check_message(m, i)
         text = self._render(messages)
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         if not any(i in self._special_ids for i in encoding.ids):
@@ -97,7 +97,7 @@ class TextCodec:
             return encoding.ids
         return self._encode_pieces(text, encoding, spans)
 
-    def _check_message(self, m: Any) -> None:
+    def _check_message(self, m: Any, index: int) -> None:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         role, content = m["role"], m["content"]
@@ -107,7 +107,10 @@ class TextCodec:
         if not isinstance(content, str):
             raise ValueError(f"a message's content must be a string, got "
                              f"{type(content).__name__}: join text parts into one string")
+        check_text(content, f"message {index}'s content")
         for key, value in m.items():
+            if isinstance(value, str):
+                check_text(value, f"message {index}'s {key!r}")
             if key not in ("role", "content") and self._has_special_text(value):
                 raise ValueError(f"message field {key!r} holds special-token text "
                                  f"({self._special_in([value])!r}): remove it; only 'content' "
@@ -234,7 +237,7 @@ class TextCodec:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt.strip():
+            if not check_text(prompt, "the prompt").strip():
                 raise ValueError("prompt is empty: give some text to continue")
             if raw or not self.has_chat_template:
                 ids = self.encode(prompt)

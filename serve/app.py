@@ -29,7 +29,9 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -39,10 +41,12 @@ from specedge.runtime.config import (
     DEFAULT_SPINNING,
     GenerationConfig,
     check_token_ids,
+    short_repr,
 )
 from specedge.runtime.generator import GenerationResult, Generator
 from specedge.runtime.text import TextCodec
 from specedge.serve.metrics import ServerMetrics
+from specedge.serve.origins import OriginGuard
 from specedge.serve.protocol import (
     APIError,
     ChatRequest,
@@ -82,11 +86,15 @@ class ServerSettings:
     shutdown_timeout: float = 30.0       # seconds SIGTERM waits for in-flight requests
     draft_tokens: int | str | None = None  # a request's K unless it sets its own
     drafter: str = DEFAULT_DRAFTER
+    draft_threshold: float = 0.0         # a request's draft_threshold unless it sets its own
     max_body_bytes: int = 2 * 2**20
     max_messages: int = 512
     max_tokens: int = 4096               # the most tokens one request may ask for
     keepalive: float = 15.0              # SSE comment after this many silent seconds
     stall_timeout: float = 120.0         # /health: 503 when no token for this long
+    body_timeout: float = 30.0           # seconds for a request body to arrive
+    allowed_hosts: tuple[str, ...] = ()  # Host names beyond this machine's (origins.py)
+    allowed_origins: tuple[str, ...] = ()  # web pages on other sites that may call the API
 
     @property
     def name(self) -> str:
@@ -190,10 +198,22 @@ class Server:
         if length.isdigit() and int(length) > limit:
             raise too_big
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise too_big
+
+        try:
+            await asyncio.wait_for(read(), self.settings.body_timeout)
+        except ClientDisconnect:
+            raise ClientGone from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within "
+                           f"{self.settings.body_timeout:g} s; send it whole, or start the "
+                           "server with a longer --body-timeout",
+                           code="request_timeout") from None
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -208,7 +228,10 @@ class Server:
         text = self.check_ready()
         req = parse(ChatRequest if chat else CompletionRequest, await self.read_json(request))
         if unknown := req.unknown_fields():
-            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+            # repr: a client's field name never forges a line or a control sequence in the log
+            log.warning("ignoring unknown request fields: %s%s",
+                        ", ".join(short_repr(name, 40) for name in unknown[:8]),
+                        f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         req.check_supported()
         self.check_model(req.model)
         if chat and len(req.messages) > self.settings.max_messages:
@@ -222,17 +245,19 @@ class Server:
                               f"{self.settings.max_tokens} (--max-tokens)",
                               param="max_tokens")
         config = req.generation_config(asked or 1, self.settings.draft_tokens,
-                                       self.settings.drafter)
+                                       self.settings.drafter, self.settings.draft_threshold)
         try:
             context = text.context_limit(config)
         except ValueError as e:
             raise bad_request(str(e), param="speculative") from e
         room = context - len(ids)
         if room < (asked or 1):
-            raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens "
-                              f"({asked or 1}) is over the model's context of {context} "
-                              "tokens; shorten the prompt or ask for fewer tokens",
-                              param="messages" if chat else "prompt",
+            message = (f"the prompt ({len(ids)} tokens) plus max_tokens ({asked}) is over the "
+                       f"model's context of {context} tokens; shorten the prompt or ask for "
+                       "fewer tokens" if asked else
+                       f"the prompt ({len(ids)} tokens) fills the model's context of {context} "
+                       "tokens and leaves no room for an answer; shorten the prompt")
+            raise bad_request(message, param="messages" if chat else "prompt",
                               code="context_length_exceeded")
         new_tokens = asked or min(room, self.settings.max_tokens)
         return req, ids, GenerationConfig.of(config, max_new_tokens=new_tokens)
@@ -426,7 +451,8 @@ def build_app(settings: ServerSettings, load: Callable[[], Generator] | None = N
     async def not_found(request: Request, exc: HTTPException) -> Response:
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: "
                          f"{exc.detail}", code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        # exc.headers: 405's Allow, which lists the methods the path takes
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s", request.url.path)
@@ -449,7 +475,19 @@ def build_app(settings: ServerSettings, load: Callable[[], Generator] | None = N
         Route("/health", lambda r: server.health(), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    paths = {route.path for route in routes}
+
+    def refused(path: str) -> None:
+        if path in paths:  # a label per known path only: a client cannot grow /metrics
+            server.metrics.requests.labels(path, "403").inc()
+
+    middleware = [Middleware(OriginGuard, allowed_hosts=settings.allowed_hosts,
+                             allowed_origins=settings.allowed_origins, refused=refused)]
+    if settings.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                                     allow_methods=["GET", "POST"],
+                                     allow_headers=["authorization", "content-type"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: not_found, Exception: server_error})
     app.state.server = server
     return app

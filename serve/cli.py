@@ -22,7 +22,7 @@ from specedge.cli_common import (
     fail,
 )
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.config import check_threads
+from specedge.runtime.config import check_threads, check_threshold
 from specedge.runtime.errors import SpecEdgeError
 
 log = logging.getLogger("specedge.serve")
@@ -55,14 +55,41 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_draft_tokens_flag(p, "K for requests that do not set their own: an integer or 'auto' "
                           "(default: auto when greedy, 1 when sampling)")
     add_drafter_flag(p)
+    p.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="for requests that do not set their own: stop drafting when the "
+                   "draft's probability for its token is below this (default 0: off)")
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="the most tokens one request may ask for (default 4096)")
-    p.add_argument("--max-messages", type=int, default=512)
-    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20)
+    p.add_argument("--max-messages", type=int, default=512,
+                   help="the most messages one chat request may hold (default 512)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
+                   help="the largest request body (default 2 MiB)")
     p.add_argument("--keepalive", type=float, default=15.0,
-                   help="seconds of silence before a stream sends a keep-alive comment")
+                   help="seconds of silence before a stream sends a keep-alive comment "
+                   "(default 15)")
+    limits = p.add_argument_group("limits on clients (docs/serve.md#limits)")
+    limits.add_argument("--max-connections", type=int, default=256,
+                        help="connections open at once; more get 503 and are closed "
+                        "(default 256)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a client has to send a request's headers (default 10)")
+    limits.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a client has to send a request's body (default 30)")
+    limits.add_argument("--max-header-bytes", type=int, default=16384,
+                        help="the most bytes of a request line and its headers (default "
+                        "16384)")
+    limits.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
+                        help="Host names to answer besides IP addresses, localhost and this "
+                        "machine's name (NAME, .example.com for a domain and its subdomains, "
+                        "or '*'; default none); other names are refused, as DNS rebinding "
+                        "would send them")
+    limits.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                        help="web pages on other sites that may call the API "
+                        "(scheme://host[:port], or '*'; default none): requests from other "
+                        "pages' Origin are refused")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="default info")
     ray = p.add_argument_group("cluster mode (the ray extra; docs/cluster.md)")
     ray.add_argument("--ray", metavar="ADDRESS", default=None,
                      help="serve on the Ray cluster whose head is at ADDRESS (host:port, or "
@@ -104,24 +131,29 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _settings(args: argparse.Namespace):
     from specedge.serve.app import ServerSettings
 
-    for name in ("max_queue", "max_tokens", "max_messages", "max_body_bytes"):
+    for name in ("max_queue", "max_tokens", "max_messages", "max_body_bytes",
+                 "max_connections", "max_header_bytes"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("request_timeout", "shutdown_timeout", "keepalive"):
+    for name in ("request_timeout", "shutdown_timeout", "keepalive", "header_timeout",
+                 "body_timeout"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be > 0 seconds")
     if not 0 <= args.port < 65536:
         fail(f"--port must be in [0, 65535], got {args.port}")
     with bad_input_exits_2():
         check_threads(args.threads)
+        check_threshold(args.draft_threshold)
     return ServerSettings(
         bundle=args.bundle, backend=args.backend, threads=args.threads,
         spinning=args.thread_spinning,
         model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-        draft_tokens=args.draft_tokens, drafter=args.drafter, max_tokens=args.max_tokens,
+        draft_tokens=args.draft_tokens, drafter=args.drafter,
+        draft_threshold=args.draft_threshold, max_tokens=args.max_tokens,
         max_messages=args.max_messages, max_body_bytes=args.max_body_bytes,
-        keepalive=args.keepalive)
+        keepalive=args.keepalive, body_timeout=args.body_timeout,
+        allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins))
 
 
 def _cluster(args: argparse.Namespace):
@@ -199,17 +231,23 @@ def run_serve(args: argparse.Namespace) -> None:
         log.warning("listening on %s without an API key: anyone who reaches this port can "
                     "use the model; set --api-key-file or $SPECEDGE_API_KEY", args.host)
     from specedge.runtime.generator import Generator
+    from specedge.serve.connections import ConnectionLimits, protocol_class
     from specedge.serve.draining import DrainingServer
 
     server = Server(settings, lambda: Generator.from_bundle(
         bundle, backend=settings.backend, threads=settings.threads,
         spinning=settings.spinning))
     app = build_app(settings, server=server)
+    limits = ConnectionLimits(max_connections=args.max_connections,
+                              header_timeout=args.header_timeout,
+                              max_header_bytes=args.max_header_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on",
+                            http=protocol_class(limits),
+                            h11_max_incomplete_event_size=limits.max_header_bytes)
     runner = DrainingServer(config, server, settings.shutdown_timeout)
     server.on_failure = runner.failed
     runner.run()
     if runner.exit_code:
         fail(f"cannot serve {settings.bundle}: {server.failure}")
-    sys.exit(0)
+    runner.exit_after_worker(0)

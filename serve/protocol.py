@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specedge.runtime.config import GenerationConfig
+from specedge.runtime.config import GenerationConfig, short_repr
 from specedge.runtime.generator import GenerationResult
 
 
@@ -118,7 +118,7 @@ class _Request(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
     def generation_config(self, max_new_tokens: int, draft_tokens: int | str | None,
-                          drafter: str) -> GenerationConfig:
+                          drafter: str, draft_threshold: float = 0.0) -> GenerationConfig:
         """The runtime's settings for this request (its checks and messages); the server's
         speculative defaults where the request gives none."""
         spec = self.speculative or SpeculativeOptions()
@@ -129,7 +129,8 @@ class _Request(BaseModel):
                 use_draft=spec.enabled, drafter=spec.drafter or drafter,
                 draft_tokens=spec.draft_tokens if spec.draft_tokens is not None
                 else draft_tokens,
-                draft_threshold=spec.draft_threshold or 0.0)
+                draft_threshold=spec.draft_threshold if spec.draft_threshold is not None
+                else draft_threshold)
         except ValueError as e:
             raise bad_request(str(e)) from e
 
@@ -170,9 +171,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"] if not _union_tag(x))
-        value = first.get("input")
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise bad_request(f"{where or 'body'}: {first['msg']} (got {shown})",
+        raise bad_request(f"{where or 'body'}: {first['msg']} "
+                          f"(got {short_repr(first.get('input'))})",
                           param=where or None) from None
 
 

@@ -144,7 +144,7 @@ class Worker:
 
 
 def load_in_background(load: Callable[[], Any], loaded: Callable[[Any], None],
-                       failed: Callable[[str], None]) -> None:
+                       failed: Callable[[str], None]) -> threading.Thread:
     """Run `load` on a thread of its own, then `loaded(what it returned)`, or
     `failed(message)` when it raised: an engine's start, so that /health answers while the
     bundle opens."""
@@ -156,7 +156,9 @@ def load_in_background(load: Callable[[], Any], loaded: Callable[[Any], None],
             return
         loaded(value)
 
-    threading.Thread(target=run, name="specedge-load", daemon=True).start()
+    thread = threading.Thread(target=run, name="specedge-load", daemon=True)
+    thread.start()
+    return thread
 
 
 class LocalEngine:
@@ -170,6 +172,7 @@ class LocalEngine:
         self.load = load
         self.stall_timeout = stall_timeout
         self.worker = Worker(max_queue, on_queue_change)
+        self.loader: threading.Thread | None = None
 
     def start(self, loaded: Callable[[Generator], None],
               failed: Callable[[str], None]) -> None:
@@ -184,11 +187,22 @@ class LocalEngine:
             self.worker.generator = generator
             return generator
 
-        load_in_background(load, loaded, failed)
+        self.loader = load_in_background(load, loaded, failed)
 
     def stop(self) -> None:
         self.worker.withdraw_all("shutdown")
         self.worker.stop()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the loading and worker threads to end (after
+        `stop`); whether they did."""
+        deadline = time.monotonic() + timeout
+        for thread in (self.loader, self.worker.thread):
+            if thread is not None and thread.ident is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    return False
+        return True
 
     async def submit(self, ids: list[int], config: GenerationConfig) -> Job:
         """Queue a generation; QueueFull when every queue slot is taken."""

@@ -10,15 +10,22 @@ is one of the commands below is not sent:
     /exit          quit (so do end of input and Ctrl-D)
 
 stdout carries only the replies (each ends with a newline), so piped input gives a
-transcript of the answers; statistics and notices go to stderr. Ctrl-C during a reply stops
-that reply and keeps the session; Ctrl-C at the prompt quits with exit status 130.
+transcript of the answers; statistics and notices go to stderr (a reply cut at
+--max-new-tokens says so there). Ctrl-C during a reply stops it after the step in progress
+and keeps the session, and /stats then describes the stopped reply; a second Ctrl-C stops it
+at once. Ctrl-C at the prompt quits with exit status 130. At a terminal, lines are read with
+readline: arrow keys edit the line and walk through the lines sent before.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TextIO
 
 from specedge.cli_common import (
@@ -39,8 +46,17 @@ COMMANDS = ("/stats", "/reset", "/system", "/exit")
 _COMMAND_LIKE = re.compile(r"/[a-z]+(\s|$)")
 
 
+IN_CHAT_HELP = """commands typed at the prompt:
+  /stats         the last reply's speculative-decoding statistics
+  /reset         forget the conversation (the system message stays)
+  /system TEXT   set the system message (/system alone removes it)
+  /exit          quit (so do Ctrl-D and the end of piped input)
+Ctrl-C stops a reply after its current step (twice: at once); at the prompt it quits."""
+
+
 def add_chat(sub) -> None:
-    p = sub.add_parser("chat", help="chat with a bundle in the terminal (no torch needed)")
+    p = sub.add_parser("chat", help="chat with a bundle in the terminal (no torch needed)",
+                       epilog=IN_CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bundle_flag(p)
     p.add_argument("--system", default=None, help="system message for the conversation")
     add_generation_flags(p)
@@ -59,6 +75,7 @@ class Chat:
         self.system = system
         self.turns: list[dict[str, str]] = []  # user and assistant messages, alternating
         self.last_stats: dict | None = None
+        self.why_no_stats = "no reply yet"  # what /stats says while last_stats is None
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.context = gen.context_limit(config)
@@ -82,10 +99,11 @@ class Chat:
             raise EOFError
         if name == "/stats":
             print(summary(self.last_stats) if self.last_stats else
-                  "no statistics: no reply has finished yet", file=self.err)
+                  f"no statistics: {self.why_no_stats}", file=self.err)
         elif name == "/reset":
             self.turns.clear()
             self.last_stats = None
+            self.why_no_stats = "no reply yet"
             print("conversation cleared" + (" (the system message stays)" if self.system
                                             else ""), file=self.err)
         elif name == "/system":
@@ -103,18 +121,22 @@ class Chat:
         self.last_stats = None
         if not self._fit():
             self.turns.pop()
+            self.why_no_stats = "the last message did not fit the context"
             return
         pieces: list[str] = []
-        stream = self.gen.stream(messages=self.messages(), config=self.config)
+        cancel = threading.Event()
+        stream = self.gen.stream(messages=self.messages(), config=self.config, cancel=cancel)
         try:
-            for piece in stream:
-                pieces.append(piece)
-                print(piece, end="", file=self.out, flush=True)
+            with _ctrl_c_sets(cancel):
+                for piece in stream:
+                    pieces.append(piece)
+                    print(piece, end="", file=self.out, flush=True)
         except KeyboardInterrupt:
             stream.close()
             print(file=self.out, flush=True)
             print("[reply stopped]", file=self.err)
             self.turns.append({"role": "assistant", "content": "".join(pieces)})
+            self.why_no_stats = "the last reply was stopped at once, inside a model call"
             return
         except (ValueError, SpecEdgeError) as e:
             stream.close()
@@ -122,11 +144,16 @@ class Chat:
                 print(file=self.out, flush=True)
             print(f"specedge: error: {e}", file=self.err)
             self.turns.pop()
+            self.why_no_stats = "the last message failed"
             return
         print(file=self.out, flush=True)
         result = self.gen.last_result
         self.turns.append({"role": "assistant", "content": result.text})
         self.last_stats = result.stats
+        if result.stop_reason == "cancelled":
+            print("[reply stopped]", file=self.err)
+        elif result.stop_reason == "max_new_tokens":
+            print(f"[reply cut at --max-new-tokens {self.max_new_tokens}]", file=self.err)
         if show_stats:
             print(summary(result.stats), file=self.err)
 
@@ -157,14 +184,18 @@ def run_chat(args: argparse.Namespace) -> None:
 
     interactive = sys.stdin.isatty()
     with bad_input_exits_2(), ctrl_c_exits_130():
+        config = generation_config(args)  # bad settings fail before the bundle loads
         gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads,
                                     spinning=args.thread_spinning)
         if not gen.codec.has_chat_template:
             fail(f"the bundle {args.bundle} has no chat template, so it cannot hold a "
                  "conversation; use `specedge generate --raw` for plain text completion")
-        # Bad settings fail here, before the first turn.
-        chat = Chat(gen, generation_config(args), system=args.system)
+        chat = Chat(gen, config, system=args.system)  # and those the context limits
     if interactive:
+        try:
+            import readline  # noqa: F401  (input() then edits lines and keeps a history)
+        except ImportError:  # Python built without it (Windows): plain input()
+            pass
         print(f"chatting with {args.bundle}; commands: {', '.join(COMMANDS)}; "
               "Ctrl-C stops a reply, Ctrl-D quits", file=sys.stderr)
     with ctrl_c_exits_130():
@@ -175,6 +206,27 @@ def run_chat(args: argparse.Namespace) -> None:
                     chat.reply(line.rstrip("\r\n"), show_stats=args.stats)
             except EOFError:
                 return
+
+
+@contextmanager
+def _ctrl_c_sets(cancel: threading.Event) -> Iterator[None]:
+    """While the block runs on the main thread, the first Ctrl-C sets `cancel` (the
+    generation ends after its step, with its statistics) and a second raises
+    KeyboardInterrupt as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_ctrl_c(signum, frame) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _read(interactive: bool) -> str:

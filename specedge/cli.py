@@ -23,7 +23,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> Parser:
+    """`specedge` and its commands with all their flags."""
     parser = Parser(prog="specedge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     generate_cli.add_generate(sub)
@@ -43,6 +44,14 @@ def main(argv: list[str] | None = None) -> None:
          "JSON report (docs/gpu.md)", gpu_check.add_arguments),
     ):
         add_arguments(sub.add_parser(name, help=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)  # a bare `specedge`: what it can do, not one error line
+        sys.exit(2)
     args = parser.parse_args(argv)
     if args.command == "bench":
         bench_run.main(args)

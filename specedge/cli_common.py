@@ -36,7 +36,8 @@ def add_bundle_flag(parser: argparse.ArgumentParser, help: str | None = BUNDLE_H
 
 def add_backend_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """--backend, one of the runtime's backends (default ort-cpu)."""
-    parser.add_argument("--backend", choices=BACKENDS, default="ort-cpu", help=help)
+    parser.add_argument("--backend", choices=BACKENDS, default="ort-cpu",
+                        help=help or "the runtime backend (default ort-cpu)")
 
 
 def add_threads_flag(parser: argparse.ArgumentParser, help: str | None = THREADS_HELP) -> None:
@@ -57,7 +58,7 @@ def add_spinning_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_max_new_tokens_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
 
 
 def add_draft_tokens_flag(parser: argparse.ArgumentParser, help: str) -> None:
@@ -66,7 +67,8 @@ def add_draft_tokens_flag(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_drafter_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    parser.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER, help=help)
+    parser.add_argument("--drafter", choices=DRAFTERS, default=DEFAULT_DRAFTER,
+                        help=help or f"where draft tokens come from (default {DEFAULT_DRAFTER})")
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,13 +78,15 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     add_max_new_tokens_flag(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    parser.add_argument("--seed", type=int, default=0, help="default 0")
     add_draft_tokens_flag(parser, "K, tokens drafted per step, or 'auto' (default: auto when "
                           "greedy, 1 when sampling, so that --seed fixes the text)")
     parser.add_argument("--draft-threshold", type=float, default=0.0,
                         help="stop drafting when the draft's probability for its token is below "
                         "this (0 = off)")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the text where TEXT appears (repeat for several)")
     parser.add_argument("--no-draft", action="store_true", help="plain target-only decoding")
     add_drafter_flag(parser, "lookup+model (default): prompt lookup where the context repeats, "
                      "the draft model elsewhere")
@@ -99,7 +103,8 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
-                            draft_threshold=args.draft_threshold, drafter=args.drafter)
+                            draft_threshold=args.draft_threshold, drafter=args.drafter,
+                            stop=args.stop)
 
 
 def draft_tokens_arg(value: str) -> int | str:

@@ -142,7 +142,20 @@ def test_generate_compare_streaming(capsys, tiny_bundle):
     assert code == 0, err
     assert out.strip()
     assert "plain decoding:" in err and "speculative / plain =" in err, err
+    assert "median of 3 rounds taking turns (range " in err, err
     assert "; same tokens" in err, err   # greedy on an fp32 bundle: plain decoding's tokens
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--no-draft"], "drop --no-draft"),
+    (["--max-new-tokens", "1"], "--max-new-tokens 2 or more"),
+    (["--compare-rounds", "0"], "--compare-rounds must be >= 1")])
+def test_compare_refuses_what_it_cannot_measure(capsys, tiny_bundle, flags, message):
+    """Plain against plain, or a decoding speed of one token (none after the first), is not
+    a speedup: exit 2 with what to change, before anything runs."""
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--compare", *flags)
+    assert code == 2 and message in err and not out, err
 
 
 def test_compare_says_where_and_why_greedy_tokens_differ():
@@ -164,15 +177,16 @@ def test_generate_compare_json(capsys, tiny_bundle):
     assert code == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "token_ids", "stats", "plain_stats", "plain_token_ids",
-                           "speedup", "same_tokens"}
+                           "speedup", "speedup_rounds", "same_tokens"}
     assert result["plain_stats"]["draft_calls"] == 0
     assert result["stats"]["draft_calls"] > 0
     # Greedy on an fp32 bundle: plain decoding's tokens, and the verdict says so.
     assert result["plain_token_ids"] == result["token_ids"]
     assert result["same_tokens"] is True
-    assert result["speedup"] == pytest.approx(
-        result["stats"]["decode_tokens_per_second"]
-        / result["plain_stats"]["decode_tokens_per_second"])
+    # Three rounds, speculative and plain taking turns; the speedup is their median.
+    rounds = result["speedup_rounds"]
+    assert len(rounds) == 3 and all(r > 0 for r in rounds)
+    assert result["speedup"] == sorted(rounds)[1]
 
 
 def test_generate_compare_json_sampled_has_no_token_verdict(capsys, tiny_bundle):
@@ -221,7 +235,7 @@ BAD_GENERATE = [
     (["--prompt", PROMPT, "--top-p", "0"], ["top_p", "(0, 1]", "0.0"]),
     (["--prompt", PROMPT, "--top-p", "1.5"], ["top_p", "(0, 1]", "1.5"]),
     (["--prompt", PROMPT, "--top-k", "-1"], ["top_k", ">= 0", "-1"]),
-    (["--prompt", PROMPT, "--draft-tokens", "0"], ["draft_tokens", ">= 1", "got 0"]),
+    (["--prompt", PROMPT, "--draft-tokens", "0"], ["draft_tokens", "[1, 32]", "got 0"]),
     (["--prompt", PROMPT, "--backend", "nope"], ["invalid choice: 'nope'", "ort-cpu"]),
     (["--prompt", PROMPT, "--drafter", "ngram"], ["--drafter", "invalid choice: 'ngram'"]),
     (["--prompt", PROMPT, "--max-new-tokens", "x"], ["--max-new-tokens", "invalid int"]),
@@ -248,8 +262,6 @@ def test_generate_bad_input_is_one_line(capsys, tiny_bundle, args, words):
 def test_generate_without_bundle_or_command(capsys):
     code, _, err = call_main(capsys, "generate", "--prompt", PROMPT)
     assert_one_line_error(code, err, "--bundle")
-    code, _, err = call_main(capsys)
-    assert_one_line_error(code, err, "command")
     code, _, err = call_main(capsys, "frobnicate")
     assert_one_line_error(code, err, "invalid choice: 'frobnicate'")
 
@@ -490,3 +502,124 @@ def test_export_bad_input_is_one_line(capsys, tiny_checkpoints, other_ids_checkp
     assert_one_line_error(code, err, *words)
     assert stdout == ""
     assert not out.exists()
+
+
+def test_bare_specedge_prints_its_commands(capsys):
+    code, out, err = call_main(capsys)
+    assert code == 2 and not out
+    for command in ("generate", "chat", "serve", "export", "bench"):
+        assert command in err
+    assert "usage: specedge" in err
+
+
+def test_generate_stop_system_and_prompt_files(capsys, tiny_bundle, api, tmp_path,
+                                               monkeypatch):
+    """--stop ends the text as the API's stop does; --system puts a system message before
+    the prompt; --prompt-file FILE and '-' (stdin) read the prompt as --prompt takes it."""
+    full = api.generate(PROMPT, max_new_tokens=24)
+    stop = full.text[5:8]
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--max-new-tokens", 24, "--stop", "zzz", "--stop", stop,
+                               "--json")
+    assert code == 0, err
+    stopped = json.loads(out)
+    assert stopped["text"] == api.generate(PROMPT, max_new_tokens=24, stop=["zzz", stop]).text
+    assert stop not in stopped["text"] and stopped["stats"]["stop_reason"] == "stop_string"
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                               "--system", "be brief", "--json", "--max-new-tokens", 8)
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == api.generate(messages=messages,
+                                                        max_new_tokens=8).token_ids
+    code, _, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt", PROMPT,
+                             "--system", "x", "--raw")
+    assert_one_line_error(code, err, "--system needs the chat template")
+
+    long_prompt = " ".join(["hello world"] * 20)
+    (tmp_path / "p.txt").write_text(long_prompt, encoding="utf-8")
+    expected = api.generate(long_prompt, max_new_tokens=8).token_ids
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt-file",
+                               tmp_path / "p.txt", "--json", "--max-new-tokens", 8)
+    assert code == 0 and json.loads(out)["token_ids"] == expected, err
+
+    class Stdin(io.StringIO):
+        buffer = io.BytesIO(long_prompt.encode())
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    code, out, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt-file",
+                               "-", "--json", "--max-new-tokens", 8)
+    assert code == 0 and json.loads(out)["token_ids"] == expected, err
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff")
+    code, _, err = call_main(capsys, "generate", "--bundle", tiny_bundle, "--prompt-file",
+                             tmp_path / "bad.txt")
+    assert_one_line_error(code, err, "not UTF-8", "byte 3")
+
+
+def test_serve_takes_a_draft_threshold_and_checks_it_before_loading(capsys, tmp_path):
+    code, _, err = call_main(capsys, "serve", "--bundle", tmp_path / "none",
+                             "--draft-threshold", "1.5")
+    assert_one_line_error(code, err, "draft_threshold must be in [0, 1)")
+
+
+def test_distill_names_its_model_as_export_does():
+    """`distill` takes its target as export takes its model (positional or --model; --target
+    stays), and the draft's head size as --draft-head-tokens, export's name for it."""
+    from specedge.export.cli import add_distill_arguments, model_argument
+
+    p = argparse.ArgumentParser()
+    add_distill_arguments(p)
+    for argv in (["ckpt"], ["--model", "ckpt"], ["--target", "ckpt"]):
+        assert model_argument(p.parse_args([*argv, "--out", "d"]), "distill", "dflt") == "ckpt"
+    assert model_argument(p.parse_args(["--out", "d"]), "distill", "dflt") == "dflt"
+    assert p.parse_args(["--out", "d", "--draft-head-tokens", "100"]).head_tokens == 100
+    assert p.parse_args(["--out", "d", "--head-tokens", "100"]).head_tokens == 100
+
+
+def test_distill_with_two_models_is_one_line(capsys, tmp_path):
+    code, _, err = call_main(capsys, "distill", "a", "--model", "b", "--out", tmp_path / "d")
+    assert_one_line_error(code, err, "give the model once", "specedge distill MODEL")
+
+
+def test_export_backend_is_onnx_or_tensorrt(capsys, tmp_path):
+    """A runtime backend's name is not an export backend: the message says which is."""
+    code, _, err = call_main(capsys, "export", "m", "--out", tmp_path / "b", "--backend",
+                             "ort-cpu")
+    assert_one_line_error(code, err, "ort-cpu runs the bundle's ONNX graphs",
+                          "--backend onnx")
+
+
+def test_generate_checks_settings_before_the_bundle_loads(capsys, tmp_path):
+    """A bad setting is reported though the bundle does not even exist: nothing was loaded
+    before the check."""
+    code, _, err = call_main(capsys, "generate", "--bundle", tmp_path / "nothing-here",
+                             "--prompt", PROMPT, "--temperature", "-1")
+    assert_one_line_error(code, err, "temperature must be a number >= 0")
+    code, _, err = call_main(capsys, "chat", "--bundle", tmp_path / "nothing-here",
+                             "--top-p", "2")
+    assert_one_line_error(code, err, "top_p must be in (0, 1]")
+
+
+def test_every_flag_with_a_default_says_it_in_its_help():
+    """`--help` tells each flag's default (a flag whose default is "not given" excepted)."""
+    from specedge.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            if "default" not in (action.help or "").lower():
+                silent.append(f"{name} {action.option_strings[0]}")
+    assert not silent, silent
+
+
+def test_export_prints_no_library_warnings(tiny_checkpoints, tmp_path):
+    """The tracer's constants, the exporter's opset note and transformers' renamed cache
+    argument are not the user's to act on: an export with --verify prints none of them."""
+    r = run_cli("export", tiny_checkpoints["llama"], "--out", tmp_path / "b", "--draft-layers",
+                "1", "--verify", "--measure-prompts", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr, r.stderr

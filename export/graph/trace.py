@@ -4,12 +4,14 @@ for its family (`wrap`), the trace, and the tied head shared with the embedding 
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 from torch import nn
+from torch.onnx.errors import OnnxExporterWarning
 
 from specedge.export.graph.decoder import Decoder
 from specedge.export.graph.families import (
@@ -134,7 +136,14 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     # its own, then gather the tensors into `path` (and its data file), one at a time.
     with tempfile.TemporaryDirectory(prefix=".trace.", dir=path.parent) as work:
         traced = Path(work) / "graph.onnx"
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # Neither warning is the user's to act on: the values the tracer warns about
+            # (layer sizes, the rotary split) are constants of the model by design, and opset
+            # 21, past the one the TorchScript exporter names as its highest, is the one
+            # every graph is checked at against transformers (--verify and the tests).
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", "Exporting to ONNX opset version",
+                                    OnnxExporterWarning)
             torch.onnx.export(module.eval(), args, str(traced), input_names=inputs,
                               output_names=outputs, dynamic_axes=dynamic,
                               opset_version=OPSET, dynamo=False)

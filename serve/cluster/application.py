@@ -44,6 +44,8 @@ from specedge.serve.cluster.replica import GeneratorReplica
 log = logging.getLogger("specedge.serve")
 
 APP_NAME = "specedge"
+# The resource Ray gives the head node alone (and 1 of it), for actors that must run there.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,13 @@ def build_cluster_app(settings: ServerSettings, cluster: ClusterSettings):
         health_check_period_s=cluster.health_check_period,
         health_check_timeout_s=cluster.health_check_timeout,
         graceful_shutdown_timeout_s=settings.shutdown_timeout, **scaling)
+    # The ingress holds every request's stream, also those of replicas on other nodes: on a
+    # device node that leaves, it would take them all down with it, so it runs on the head
+    # node (Ray's own head resource), which the cluster does not outlive anyway.
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="Ingress", num_replicas=1,
         max_ongoing_requests=cluster.ingress_max_ongoing,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         graceful_shutdown_timeout_s=settings.shutdown_timeout)
     return ingress.bind(replica.bind(settings), settings)
 
@@ -145,6 +150,8 @@ def _converted(name: str, value: str, default: object) -> object:
         return on_off_arg(value)
     if isinstance(default, (int, float)):
         return type(default)(value)
+    if isinstance(default, tuple):  # allowed_hosts, allowed_origins: comma-separated
+        return tuple(v.strip() for v in value.split(",") if v.strip())
     return value
 
 

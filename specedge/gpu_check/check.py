@@ -108,7 +108,8 @@ def run_part(name: str, fn, report: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The check's flags, on `parser`."""
-    parser.add_argument("--out", default="gpu_report.json", help="JSON report to write")
+    parser.add_argument("--out", default="gpu_report.json",
+                        help="JSON report to write (default gpu_report.json)")
     parser.add_argument("--smollm2-bundle", help="an exported SmolLM2 bundle for the "
                         "TensorRT part")
     parser.add_argument("--tiny-bundle", help="FOLDER/tiny-bundle exported beforehand, with "

@@ -52,7 +52,8 @@ def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys,
     monkeypatch.setattr(baselines, "llama_cpp_systems", llama_cpp)
     out = tmp_path / "bench"
     main(["bench", "--bundle", str(own_tiny_bundle), "--limit", "3", "--max-new-tokens", "12",
-          "--ks", "2", "3", "--baselines", "llama.cpp", "--rounds", "2", "--out", str(out)])
+          "--ks", "2", "3", "--baselines", "llama.cpp", "--rounds", "2", "--out", str(out),
+          "--store-auto-k"])
     results = json.loads((out / "bench.json").read_text())
     configs = results["configurations"]
     assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
@@ -67,7 +68,8 @@ def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys,
         assert row["tokens_per_second"] > 0 and 0 <= row["outside_model_share"] < 1
         assert row["measured_over_ideal"] > 0
     assert len(configs["greedy/draft K=3"]["acceptance_per_position"]) == 3
-    # What auto K measured over the runs is stored in the bundle for the next Generator.
+    # --store-auto-k: what auto K measured over the runs is stored in the bundle for the
+    # next Generator.
     stored = json.loads(Path(results["auto_k"]).read_text())
     assert Path(results["auto_k"]) == own_tiny_bundle / "auto_k.json"
     assert {(e["source"], e["greedy"]) for e in stored["acceptance"]} >= {("model", True),
@@ -221,6 +223,8 @@ def test_bench_runs_on_another_backend(own_tiny_bundle, tmp_path):
     results = json.loads((out / "bench.json").read_text())
     assert results["backend"] == "host-emulated"
     assert results["configurations"]["sampled/draft K=2"]["tokens_per_second"] > 0
+    # Without --store-auto-k the bundle is left as it was: a one-prompt run sets no K.
+    assert results["auto_k"] is None and not (own_tiny_bundle / "auto_k.json").exists()
 
 
 @pytest.mark.parametrize(("crashes", "n_batch"), [(True, 1), (False, 512)])

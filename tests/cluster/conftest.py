@@ -75,9 +75,25 @@ class Node:
 
 class Cluster:
     def __init__(self, address: str, nodes: list[Node], env: dict[str, str],
-                 metrics_ports: list[int]):
+                 metrics_ports: list[int], worker_args: list[str], logs: Path):
         self.address, self.nodes, self.env = address, nodes, env
         self.metrics_ports = metrics_ports  # each node's Prometheus export of Ray's metrics
+        self.worker_args, self.logs = worker_args, logs
+
+    def start_worker(self) -> Node:
+        """A worker node joining the cluster (again, after a test killed one), returned
+        once the cluster has two nodes alive."""
+        worker = Node(["--address", self.address, "--dashboard-agent-listen-port",
+                       str(free_port()), "--metrics-export-port", str(self.metrics_ports[1]),
+                       *self.worker_args], self.logs / f"worker-{len(self.nodes)}.log",
+                      self.env)
+        self.nodes.append(worker)
+        deadline = time.monotonic() + NODE_START_TIMEOUT
+        while len(self.node_ids(check=False)) < 2:
+            assert worker.proc.poll() is None, worker.log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "the worker node did not join the cluster"
+            time.sleep(1)
+        return worker
 
     def driver(self, code: str, timeout: float = 60, check: bool = True) -> str:
         """What `code` prints, run in a short-lived driver process connected to the
@@ -119,17 +135,8 @@ def ray_cluster(tmp_path_factory) -> Iterator[Cluster]:
     nodes = [head]
     try:
         _wait_for_port(port, head, NODE_START_TIMEOUT)
-        nodes.append(Node(["--address", address,
-                           "--dashboard-agent-listen-port", str(free_port()),
-                           "--metrics-export-port", str(metrics_ports[1]), *common],
-                          tmp / "worker.log", env))
-        cluster = Cluster(address, nodes, env, metrics_ports)
-        deadline = time.monotonic() + NODE_START_TIMEOUT
-        while len(cluster.node_ids(check=False)) < 2:
-            for node in nodes:
-                assert node.proc.poll() is None, node.log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the worker node did not join the cluster"
-            time.sleep(1)
+        cluster = Cluster(address, nodes, env, metrics_ports, common, tmp)
+        cluster.start_worker()
         yield cluster
     finally:
         for node in reversed(nodes):

@@ -63,6 +63,9 @@ def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
     assert _settings(ServerSettings, {**args, "spinning": "off"}).spinning is False
     assert _settings(ServerSettings, {**args, "spinning": "on"}).spinning is True
     assert _settings(ServerSettings, {**args, "spinning": "auto"}).spinning == "auto"
+    hosts = _settings(ServerSettings, {**args, "allowed_hosts": "llm.lan, .example.net"})
+    assert hosts.allowed_hosts == ("llm.lan", ".example.net")
+    assert _settings(ServerSettings, {**args, "draft_threshold": "0.3"}).draft_threshold == 0.3
     with pytest.raises(ValueError, match="spinning: expected 'auto', 'on' or 'off'"):
         _settings(ServerSettings, {**args, "spinning": "yes"})
     with pytest.raises(ValueError, match="unknown arguments.*'replica'"):
@@ -85,3 +88,18 @@ def test_bad_replica_flags_exit_before_connecting(tiny_bundle, flags, message):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+def test_the_ingress_is_placed_on_the_head_node(tiny_bundle):
+    """The ingress asks for Ray's head-node resource, so that Ray cannot place it on a
+    device node, whose loss would end every stream (tests/cluster/test_node_loss.py shows
+    what the placement buys on a real cluster); the replicas ask for a device each."""
+    from specedge.serve.cluster.application import HEAD_NODE_RESOURCE, build_cluster_app
+
+    app = build_cluster_app(ServerSettings(bundle=str(tiny_bundle)), ClusterSettings())
+    ingress = app._bound_deployment  # Ray Serve keeps the deployment of a bound app here
+    assert ingress.name == "Ingress"
+    assert ingress.ray_actor_options["resources"] == {HEAD_NODE_RESOURCE: 0.001}
+    import ray._common.constants as ray_constants
+
+    assert HEAD_NODE_RESOURCE == ray_constants.HEAD_NODE_RESOURCE_NAME  # Ray's own name

@@ -53,3 +53,35 @@ def test_no_draft_no_measurement(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "b"
     said = export(capsys, tiny_checkpoints["llama"], out)
     assert "auto_k" not in said and not (out / auto_k_file.FILE).exists()
+
+
+
+def test_a_failed_measurement_warns_and_the_export_succeeds(tiny_checkpoints, tmp_path,
+                                                           capsys, monkeypatch):
+    """Measuring the draft is optional. When every prompt encodes to no tokens (as with a
+    word-level tokenizer that knows none of their words) there is nothing to measure; when
+    the measurement raises, the export warns. Either way it prints its JSON line, the bundle
+    opens, and no auto_k.json is written."""
+    from specedge.export import calibrate
+
+    def no_tokens(self, *args, **kwargs):
+        raise ValueError("the prompt encodes to no tokens: give some text to continue")
+
+    with monkeypatch.context() as m:
+        m.setattr(Generator, "encode_prompt", no_tokens)
+        said = export(capsys, tiny_checkpoints["llama"], tmp_path / "b", "--draft-layers",
+                      "1", "--measure-prompts", "3")
+    assert said["auto_k"] is None and not (tmp_path / "b" / auto_k_file.FILE).exists()
+    assert Generator.from_bundle(tmp_path / "b").generate("hello", max_new_tokens=2).token_ids
+
+    def broken(bundle, prompts):
+        raise RuntimeError("the measurement broke")
+
+    monkeypatch.setattr(calibrate, "calibrate", broken)
+    capsys.readouterr()
+    main(["export", str(tiny_checkpoints["llama"]), "--out", str(tmp_path / "c"),
+          "--draft-layers", "1", "--measure-prompts", "3"])
+    printed = capsys.readouterr()
+    assert json.loads(printed.out.strip().splitlines()[-1])["auto_k"] is None
+    assert "warning" in printed.err and "the measurement broke" in printed.err
+    assert (tmp_path / "c" / "manifest.json").exists()

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,6 +195,50 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_the_session(monkeypatch, capsy
     assert closed == [True]  # the stopped stream was closed, so the generator is free
 
 
+def test_ctrl_c_ends_a_reply_after_its_step_with_its_statistics(monkeypatch, capsys,
+                                                                tiny_bundle, api):
+    """A real SIGINT after the third piece: the reply ends after the step in progress
+    (stop reason "cancelled"), says so, keeps what was shown in the history, and /stats
+    describes it; the next reply goes on as usual."""
+    stream = Generator.stream
+    signalled = []
+
+    def sigint_after_three_pieces(self, *args, **kwargs):
+        for i, piece in enumerate(stream(self, *args, **kwargs)):
+            yield piece
+            if i == 2 and not signalled:
+                signalled.append(True)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Generator, "stream", sigint_after_three_pieces)
+    code, out, err = chat(monkeypatch, capsys, tiny_bundle,
+                          "hello there\n/stats\nand then what\n")
+    assert code == 0, err
+    stopped, second = out.splitlines()
+    full = reply(api, ("user", "hello there"))
+    assert len(stopped) < len(full) and full.startswith(stopped)
+    assert second == reply(api, ("user", "hello there"), ("assistant", stopped),
+                           ("user", "and then what"))
+    assert "[reply stopped]" in err and "tokens per target call" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_a_reply_cut_at_max_new_tokens_says_so(monkeypatch, capsys, tiny_bundle, api):
+    result = api.generate(messages=[{"role": "user", "content": "hello there"}], **SETTINGS)
+    assert result.stop_reason == "max_new_tokens"  # the tiny model does not stop in 24
+    code, out, err = chat(monkeypatch, capsys, tiny_bundle, "hello there\n")
+    assert code == 0 and out == result.text + "\n"
+    assert f"[reply cut at --max-new-tokens {NEW_TOKENS}]" in err
+
+
+def test_chat_help_lists_the_in_chat_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    out = capsys.readouterr().out
+    for command in ("/stats", "/reset", "/system TEXT", "/exit", "Ctrl-C"):
+        assert command in out
+
+
 def test_ctrl_c_at_the_prompt_exits_130(monkeypatch, capsys, tiny_bundle):
     class CtrlC(io.StringIO):
         def readline(self, *args):
@@ -212,3 +259,40 @@ def test_chat_through_a_subprocess(tiny_bundle, api):
     assert proc.stdout == reply(api, ("user", "hello there")) + "\n"
     assert "tokens per target call" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_arrow_keys_edit_the_line_at_a_terminal(tiny_bundle, api):
+    """At a terminal (a pseudo-terminal here) the line is read with readline: "helo", the
+    left arrow and "l" send "hello", not the arrow's escape code."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat on the terminal's side
+        os.execv(sys.executable, [sys.executable, "-m", "specedge.cli", "chat", "--bundle",
+                                  str(tiny_bundle), "--max-new-tokens", str(NEW_TOKENS)])
+    output = b""
+
+    def read_until(marker: bytes, timeout: float = 120) -> None:
+        nonlocal output
+        deadline = time.monotonic() + timeout
+        while marker not in output:
+            assert time.monotonic() < deadline, output.decode(errors="replace")
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    output += os.read(fd, 65536)
+                except OSError:
+                    break
+
+    try:
+        read_until(b"> ")
+        os.write(fd, b"helo\x1b[Dl\r")
+        want = reply(api, ("user", "hello"))
+        read_until(want.encode())
+        os.write(fd, b"\x04")  # Ctrl-D: end of input
+        read_until(b"\n", 30)
+    finally:
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still running
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert want.encode() in output

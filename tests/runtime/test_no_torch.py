@@ -104,7 +104,7 @@ def test_server_answers_without_torch(tiny_bundle):
         from specedge.serve.app import ServerSettings, build_app
         import time
         app = build_app(ServerSettings(bundle={str(tiny_bundle)!r}, threads=1))
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://127.0.0.1") as client:  # a Host the app answers
             for _ in range(1200):  # a minute at most
                 if client.get("/health").status_code == 200:
                     break
