@@ -45,9 +45,9 @@ def mean_squares(source: Path, model: onnx.ModelProto, names: list[str],
             "past_length": np.zeros(1, np.int64), "logits_to_keep": np.ones(1, np.int64),
             FEATURES_KEEP: np.array([t], np.int64)}
     feeds = {i.name: call[i.name] for i in graph.input if i.name in call}
-    for i in inputs:
+    for i in inputs:  # [B, kv_heads, C, head_dim]: one row, room for the prompt
         dims = [d.dim_value or t for d in i.type.tensor_type.shape.dim]
-        feeds[i.name] = np.zeros(dims, np.float32)
+        feeds[i.name] = np.zeros([1, *dims[1:]], np.float32)
     # Written beside `source`, so that its external data references resolve.
     with tempfile.NamedTemporaryFile(dir=Path(source).parent, suffix=".onnx") as f:
         onnx.save(probe, f.name)

@@ -27,12 +27,12 @@ def _io_spec(graph: onnx.GraphProto, dims: dict, features: int, kv_layout: str,
              keeps: bool) -> tuple[list[dict], list[dict]]:
     """Names and dtypes as the graph has them; shapes as the contract states them (the
     exporter leaves some static dims symbolic)."""
-    kv = [1, dims["num_kv_heads"], None, dims["head_dim"]]
+    kv = ["B", dims["num_kv_heads"], None, dims["head_dim"]]
     in_place = kv_layout == KV_LAYOUT_IN_PLACE  # presents are the whole cache buffers
-    shapes = {"input_ids": [1, "T"], "position_ids": [1, "T"], "past_length": [1],
-              "logits_to_keep": [1], "logits": [1, "N", dims["vocab_size"]],
-              FEATURES_IN: [1, "T", features], FEATURES_KEEP: [1],
-              FEATURES_OUT: [1, "F" if keeps else "T", features]}
+    shapes = {"input_ids": ["B", "T"], "position_ids": ["B", "T"], "past_length": ["B"],
+              "logits_to_keep": [1], "logits": ["B", "N", dims["vocab_size"]],
+              FEATURES_IN: ["B", "T", features], FEATURES_KEEP: [1],
+              FEATURES_OUT: ["B", "F" if keeps else "T", features]}
 
     def entry(v) -> dict:
         elem = v.type.tensor_type.elem_type
@@ -41,6 +41,13 @@ def _io_spec(graph: onnx.GraphProto, dims: dict, features: int, kv_layout: str,
         return {"name": v.name, "dtype": _DTYPES.get(elem, str(elem)), "shape": shape}
 
     return [entry(v) for v in graph.input], [entry(v) for v in graph.output]
+
+
+def graph_batch_rows(graph: onnx.GraphProto) -> bool:
+    """Whether the graph takes several rows, each at its own past_length (format 4): its
+    input_ids' first dim is dynamic."""
+    ids = next(v for v in graph.input if v.name == "input_ids")
+    return not ids.type.tensor_type.shape.dim[0].HasField("dim_value")
 
 
 def model_entry(config, path: Path, max_context: int | None, precision: str) -> dict:
@@ -63,6 +70,8 @@ def model_entry(config, path: Path, max_context: int | None, precision: str) -> 
         entry |= {"features": features, "reads_features": reads}
     if keeps:
         entry[FEATURES_KEEP] = True
+    if graph_batch_rows(graph):
+        entry["batch_rows"] = True
     if not data_file(path).is_file():
         # A graph over 2 GB is not counted: ONNX Runtime would write its optimized copy,
         # weights and all, to count it.

@@ -140,6 +140,7 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
     uses.update(i.name for i in graph.input)  # an initializer a caller may override stays
     weights = {i.name: i for i in graph.initializer if uses[i.name] == 1}  # rewritten once
     heads = set(_head_matmuls(model))
+    ranks = _activation_ranks(model)
     quantizers = {}
     nodes = []
     for node in list(graph.node):
@@ -163,7 +164,8 @@ def _quantize_weights(model: onnx.ModelProto, folder: Path, precision: str,
         elif on_blocks and int4_grid == "search":
             new = [_searched_matmul(graph, node, weight, importance.get(node.input[0]), block)]
         else:
-            added = _centre_blocks(graph, node, weight, block) if on_blocks else []
+            added = (_centre_blocks(graph, node, weight, block, _rank(ranks, node))
+                     if on_blocks else [])
             key = (bits, node.op_type)
             if key not in quantizers:
                 quantizers[key] = _node_quantizer(bits, node.op_type,
@@ -218,8 +220,33 @@ def _searched_matmul(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.
         K=k, N=n, bits=4, block_size=block, accuracy_level=4)
 
 
+def _activation_ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """The rank of every value ONNX's shape inference can tell, on a copy of the graph
+    without weights (an initializer becomes an input of its shape): [B, T, K] activations
+    have 3, the LM head's flattened input 2."""
+    graph = model.graph
+    weights = [onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+               for i in graph.initializer]
+    skeleton = onnx.helper.make_model(
+        onnx.helper.make_graph(list(graph.node), "ranks", list(graph.input) + weights,
+                               list(graph.output), value_info=list(graph.value_info)),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    inferred = onnx.shape_inference.infer_shapes(skeleton).graph
+    return {v.name: len(v.type.tensor_type.shape.dim)
+            for v in [*inferred.value_info, *inferred.input]
+            if v.type.tensor_type.HasField("shape")}
+
+
+def _rank(ranks: dict[str, int], node: onnx.NodeProto) -> int:
+    if node.input[0] not in ranks:
+        raise ValueError(f"the rank of {node.input[0]!r}, which {node.name!r} multiplies, is "
+                         "not known to ONNX's shape inference: the int4 offset product "
+                         "cannot be shaped for it")
+    return ranks[node.input[0]]
+
+
 def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.TensorProto,
-                   block: int = BLOCK_SIZE) -> list[onnx.NodeProto]:
+                   block: int = BLOCK_SIZE, rank: int = 3) -> list[onnx.NodeProto]:
     """Prepare the MatMul `node` for Q4_1's grid: centre its `weight` (in memory) on each
     block's offset, in place, and return the nodes that add the offsets' product back.
 
@@ -236,7 +263,9 @@ def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.Te
     (lossless for weights already on one), and centred, so the int8 activations of the
     fast kernels do not see a large product that the offset term then cancels.
     blocksum(x) [.., K/32] sums x over each block. The offset product stays fp32 (1/32 of
-    the main product's work).
+    the main product's work). x has `rank` dims ([B, T, K], or the LM head's [B N, K]):
+    its blocks are x's leading dims (copied by Reshape's 0s) times [K/32, 32], so that the
+    offset product has the main one's shape whatever the batch.
     """
     k, n = weight.dims
     blocks = onnx.numpy_helper.to_array(weight).reshape(k // block, block, n)
@@ -246,7 +275,7 @@ def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.Te
         (blocks - offsets[:, None]).reshape(k, n).astype(np.float32), weight.name))
     graph.initializer.extend([
         onnx.numpy_helper.from_array(offsets.astype(np.float32), f"{weight.name}_block_offset"),
-        onnx.numpy_helper.from_array(np.array([-1, k // block, block]),
+        onnx.numpy_helper.from_array(np.array([0] * (rank - 1) + [k // block, block]),
                                      f"{weight.name}_blocks")])
     if not any(i.name == "specedge_last_axis" for i in graph.initializer):
         graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1]),
@@ -261,7 +290,6 @@ def _centre_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, weight: onnx.Te
                               [f"{out}_block_sum"], name=f"{name}_block_sum", keepdims=0),
         onnx.helper.make_node("MatMul", [f"{out}_block_sum", f"{weight.name}_block_offset"],
                               [f"{out}_offset"], name=f"{name}_offset"),
-        # [T, N] + [1, T, N]: the graphs' batch is 1
         onnx.helper.make_node("Add", [node.output[0], f"{out}_offset"], [out],
                               name=f"{name}_add_offset")]
 

@@ -11,15 +11,21 @@ A bundle is a folder:
 
 Every graph has the same I/O (names follow the Hugging Face / Optimum convention):
 
-    inputs   input_ids                 int64  [1, T]
-             position_ids              int64  [1, T]
-             past_length               int64  [1]      valid rows in the cache
+    inputs   input_ids                 int64  [B, T]
+             position_ids              int64  [B, T]
+             past_length               int64  [B]      valid rows in each row's cache
              logits_to_keep            int64  [1]      logits for the last N positions
-             past_key_values.{i}.key   float  [1, kv_heads, C, head_dim]
-             past_key_values.{i}.value float  [1, kv_heads, C, head_dim]
-    outputs  logits                    float  [1, N, vocab]
-             present.{i}.key           float  [1, kv_heads, T, head_dim]
-             present.{i}.value         float  [1, kv_heads, T, head_dim]
+             past_key_values.{i}.key   float  [B, kv_heads, C, head_dim]
+             past_key_values.{i}.value float  [B, kv_heads, C, head_dim]
+    outputs  logits                    float  [B, N, vocab]
+             present.{i}.key           float  [B, kv_heads, T, head_dim]
+             present.{i}.value         float  [B, kv_heads, T, head_dim]
+
+B, the rows of one call (format 4, manifest: batch_rows true; B = 1 before): independent
+sequences, each with its own cache slot and past_length, all with T tokens in the call. A
+runtime that calls several rows pads the shorter ones and ignores what the padding
+computes; a graph on GroupQueryAttention (below) takes T > 1 with B = 1 only, which ONNX
+Runtime's CPU kernel requires of calls with a past.
 
 KV layout "bhsd-fixed": the runtime owns cache buffers of fixed capacity C. The graph reads
 rows [0, past_length) and masks the rest; it returns only the T new rows, which the runtime
@@ -55,8 +61,9 @@ from typing import Any
 from specedge.runtime.errors import BundleError
 
 # A runtime reads every format up to its own (format 1: no feature-draft I/O; format 2: the
-# features of every position); the formats are listed in CHANGELOG.md.
-FORMAT_VERSION = 3
+# features of every position; format 3: one row a call); the formats are listed in
+# CHANGELOG.md.
+FORMAT_VERSION = 4
 FEATURES_IN = "hidden_states_in"
 FEATURES_OUT = "hidden_states"
 FEATURES_KEEP = "features_to_keep"
@@ -111,6 +118,7 @@ class ModelSpec:
     reads_features: bool = False  # a feature draft: takes `hidden_states_in`
     kv_layout: str = KV_LAYOUT
     keeps_features: bool = False  # takes `features_to_keep` (format 3 graphs with features)
+    batch_rows: bool = False      # takes B rows a call (format 4)
 
     def io(self) -> tuple[list[str], list[str]]:
         return graph_io(self.num_layers, self.reads_features, self.features > 0,
@@ -170,8 +178,11 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
     if not isinstance(keeps, bool) or (keeps and (not features or reads)):
         raise _bad(root, f"models.{role}.{FEATURES_KEEP} must be true only for a graph that "
                    f"outputs features and reads none, got {keeps!r}")
+    batch_rows = entry.get("batch_rows", False)
+    if not isinstance(batch_rows, bool):
+        raise _bad(root, f"models.{role}.batch_rows must be true or false, got {batch_rows!r}")
     return ModelSpec(path=path, features=features, reads_features=reads, keeps_features=keeps,
-                     **fields)
+                     batch_rows=batch_rows, **fields)
 
 
 def _check_data_file(root: Path, role: str, entry: dict) -> None:

@@ -53,6 +53,18 @@ def context_limit(bundle, config: GenerationConfig) -> int:
 
 
 @dataclass
+class RowModels:
+    """What one sequence of several decoded together runs on (runtime/batch.py): the
+    target and the draft drafter on backends whose calls meet those of the other
+    sequences, its cache slot, and auto K's measurements of the batch."""
+
+    target: object
+    model_drafter: Drafter | None
+    cache: object
+    histories: Histories
+
+
+@dataclass
 class _AutoSpinning:
     """Spinning "auto": the meter of the others' CPU use, and how to open the models with a
     given spinning (`Generator._follow_load`)."""
@@ -242,17 +254,29 @@ class Generator:
         return result
 
     def _run(self, ids: list[int], config: GenerationConfig,
-             cancel: threading.Event | None) -> PieceGenerator[str, None, GenerationResult]:
-        """One generation; the caller holds the lock."""
-        proposer = self._drafter(config)
+             cancel: threading.Event | None, row: RowModels | None = None
+             ) -> PieceGenerator[str, None, GenerationResult]:
+        """One generation; the caller holds the lock. `row`: one sequence of several
+        decoded together (runtime/batch.py), on the models and cache slot it gives, or
+        None: on the generator's own."""
         limit = context_limit(self.bundle, config)
         if len(ids) + config.max_new_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
                              f"({config.max_new_tokens}) exceeds the bundle's context of "
                              f"{limit} tokens; shorten the prompt or lower "
                              "max_new_tokens")
-        state = self._new_state(ids, config, proposer, limit)
-        chunks = decode(state, ids, self._histories, self._model_seconds)
+        if row is None:
+            proposer = self._drafter(config)
+            state = self._new_state(ids, config, proposer, limit)
+            chunks = decode(state, ids, self._histories, self._model_seconds)
+        else:
+            proposer = (make_drafter(config.drafter, row.model_drafter) if config.use_draft
+                        else None)
+            row.cache.rollback(0)
+            state = GenerationState(row.target, row.cache, proposer, config,
+                                    np.random.default_rng(config.seed), StepClock(),
+                                    capacity_for(len(ids) + config.max_new_tokens, limit))
+            chunks = decode(state, ids, row.histories, self._model_seconds)
         outcome = _Outcome()
         tokens = _until_eos_or_cancel(chunks, set(self.bundle.eos_token_ids), cancel, outcome)
         holdback = StopStringHoldback(config.stops)
@@ -265,7 +289,8 @@ class Generator:
         if rest := holdback.rest():
             yield rest
         chunks.close()
-        self._cache = state.cache  # it may have grown
+        if row is None:
+            self._cache = state.cache  # it may have grown
         text, tokens, reason = holdback.text, outcome.tokens, outcome.reason
         if reason == "stop_string":
             # The last chunk may run past the stop string: keep the tokens the text needs.

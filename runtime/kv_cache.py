@@ -63,10 +63,12 @@ class KVCache(CacheRows):
     write but the cache never counts (ort_cpu.py: a one-token step run as two rows)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: np.dtype = np.float32, spare: int = 0):
+                 dtype: np.dtype = np.float32, spare: int = 0,
+                 planes: np.ndarray | None = None):
         super().__init__(capacity)
-        self.planes = np.zeros((2 * num_layers, 1, num_kv_heads, capacity + spare, head_dim),
-                               dtype)
+        # `planes`: memory of another cache's, one slot of a SlotCaches (this cache a view).
+        self.planes = planes if planes is not None else np.zeros(
+            (2 * num_layers, 1, num_kv_heads, capacity + spare, head_dim), dtype)
         self.keys = list(self.planes[0::2])
         self.values = list(self.planes[1::2])
         self.spare = spare
@@ -94,3 +96,40 @@ class KVCache(CacheRows):
         new.planes[:, :, :, :self.length] = self.planes[:, :, :, :self.length]
         new.length = self.length
         return new
+
+
+class SlotCaches:
+    """The caches of several sequences decoded together, as slots of one array: planes
+    [2 * layers, slots, kv_heads, capacity + spare, head_dim], so that a call on slots
+    [lo, hi) binds one contiguous block per plane ([hi - lo, kv_heads, ...]), and each slot
+    is a KVCache of its own (`slots[i]`, a view) with its own length, for the loop of the
+    sequence that holds it. All slots share one capacity, which `grow` raises between
+    calls (a portable graph attends over all of it, kv_cache.py's module docstring)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 slots: int, spare: int = 0):
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.spare = spare
+        self.planes = np.zeros((2 * num_layers, slots, num_kv_heads, capacity + spare,
+                                head_dim), np.float32)
+        self.slots = [KVCache(*self.shape, capacity, spare=spare,
+                              planes=self.planes[:, i:i + 1]) for i in range(slots)]
+        self.capacity = capacity
+
+    def grow(self, capacity: int) -> None:
+        """Give every slot `capacity` rows, keeping each slot's rows: new buffers (new
+        addresses: bindings to the old ones must go), the same slot objects."""
+        if capacity <= self.capacity:
+            return
+        layers2, slots, heads, _, dim = self.planes.shape
+        planes = np.zeros((layers2, slots, heads, capacity + self.spare, dim), np.float32)
+        for i, slot in enumerate(self.slots):
+            planes[:, i, :, :slot.length] = self.planes[:, i, :, :slot.length]
+            slot.planes = planes[:, i:i + 1]
+            slot.keys, slot.values = list(slot.planes[0::2]), list(slot.planes[1::2])
+            slot.capacity = capacity
+        self.planes, self.capacity = planes, capacity
+
+    def block(self, lo: int, hi: int) -> np.ndarray:
+        """The planes of slots [lo, hi): [2 * layers, hi - lo, kv_heads, C + spare, D]."""
+        return self.planes[:, lo:hi]

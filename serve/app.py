@@ -81,7 +81,8 @@ class ServerSettings:
     spinning: bool | str = DEFAULT_SPINNING  # CPU threads spin while they wait: on, off, auto
     model_name: str | None = None        # default: the bundle folder's name
     api_key: str | None = None           # None: no key asked for
-    max_queue: int = 32                  # requests waiting beyond the running one
+    max_queue: int = 32                  # requests waiting beyond the running ones
+    max_batch: int = 1                   # requests generated at once (runtime/batch.py)
     request_timeout: float = 600.0       # seconds from arrival to the last token
     shutdown_timeout: float = 30.0       # seconds SIGTERM waits for in-flight requests
     draft_tokens: int | str | None = None  # a request's K unless it sets its own
@@ -131,7 +132,8 @@ class Server:
                                      settings.bundle, backend=settings.backend,
                                      threads=settings.threads,
                                      spinning=settings.spinning)),
-                                 self.metrics.queue_changed)
+                                 self.metrics.queue_changed, settings.max_batch,
+                                 self.metrics.batch_call)
         self.engine = engine
         self.text: PromptText | None = None  # set once the engine has loaded the bundle
         self.phase = "loading"

@@ -48,6 +48,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="read the API key from this file")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests that may wait for the generator; more get 429 (default 32)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests generated at once, their steps sharing each model call "
+                   "(continuous batching); more than 1 needs a bundle exported with "
+                   "--attention portable (default 1: one at a time)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -131,7 +135,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _settings(args: argparse.Namespace):
     from specedge.serve.app import ServerSettings
 
-    for name in ("max_queue", "max_tokens", "max_messages", "max_body_bytes",
+    for name in ("max_queue", "max_batch", "max_tokens", "max_messages", "max_body_bytes",
                  "max_connections", "max_header_bytes"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1")
@@ -148,6 +152,7 @@ def _settings(args: argparse.Namespace):
         bundle=args.bundle, backend=args.backend, threads=args.threads,
         spinning=args.thread_spinning,
         model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
+        max_batch=args.max_batch,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         draft_tokens=args.draft_tokens, drafter=args.drafter,
         draft_threshold=args.draft_threshold, max_tokens=args.max_tokens,
@@ -186,6 +191,9 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
              "pip install 'specedge[serve,ray]'")
     settings = _settings(args)
     cluster = _cluster(args)
+    if settings.max_batch > 1:
+        fail("--max-batch runs on one machine for now: each cluster replica generates one "
+             "request at a time (drop --max-batch, or serve without --ray)")
     try:
         load_bundle(settings.bundle)
     except SpecEdgeError as e:
@@ -225,6 +233,14 @@ def run_serve(args: argparse.Namespace) -> None:
         bundle = load_bundle(settings.bundle)  # a bad folder fails here, before the port opens
     except SpecEdgeError as e:
         fail(str(e))
+    if settings.max_batch > 1:
+        from specedge.runtime.backends.ort_cpu import check_batch_rows
+
+        if settings.backend != "ort-cpu":
+            fail(f"--max-batch {settings.max_batch} runs on backend ort-cpu only")
+        with bad_input_exits_2():
+            for spec in filter(None, (bundle.target, bundle.draft)):
+                check_batch_rows(spec)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
     if settings.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -34,8 +34,11 @@ class ServerMetrics:
                                 registry=r)
         self.queue_depth = Gauge("specedge_queue_depth", "requests waiting for the generator",
                                  registry=r)
-        self.running = Gauge("specedge_requests_running", "requests being generated (0 or 1)",
-                             registry=r)
+        self.running = Gauge("specedge_requests_running", "requests being generated (at "
+                             "most --max-batch)", registry=r)
+        self.batch_rows = Histogram("specedge_batch_rows", "sequences carried by each "
+                                    "batched target call (--max-batch > 1)",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.ttft = Histogram("specedge_time_to_first_token_seconds", "arrival to first "
                               "text", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specedge_inter_token_latency_seconds", "decoding time per "
@@ -58,6 +61,10 @@ class ServerMetrics:
         self.accepted_per_pos = Counter("specedge_spec_decode_num_accepted_tokens_per_pos",
                                         "draft tokens accepted at each draft position",
                                         ["position"], registry=r)
+
+    def batch_call(self, rows: int) -> None:
+        """One target call that carried `rows` sequences (--max-batch > 1)."""
+        self.batch_rows.observe(rows)
 
     def queue_changed(self, waiting: int, running: int) -> None:
         self.queue_depth.set(waiting)

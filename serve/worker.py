@@ -1,11 +1,15 @@
-"""The generator's one worker thread and its bounded FIFO queue.
+"""The generator's worker and its bounded FIFO queue.
 
-A `Generator` serves one sequence at a time, so requests wait their turn here, and the
-HTTP event loop never runs a model: the worker thread does, and hands each text piece to
-the request's asyncio queue with `loop.call_soon_threadsafe`. A request that goes away
-(its client disconnected, it timed out, the server is shutting down) is `withdraw`n: taken
-out of the queue if it is waiting, or told to stop through its cancel event, which the
-generator checks after every speculative step.
+The HTTP event loop never runs a model: the worker does, and hands each text piece to the
+request's asyncio queue with `loop.call_soon_threadsafe`. With `max_batch` 1 a `Generator`
+serves one sequence at a time on the worker's thread and requests wait their turn here.
+With more, up to `max_batch` requests run at once, each on a thread of its own in one
+BatchSession (runtime/batch.py), whose model calls carry every running sequence: a
+request joins the batch between two steps as soon as a slot is free, and leaves it when
+it ends (continuous batching). A request that goes away (its client disconnected, it
+timed out, the server is shutting down) is `withdraw`n: taken out of the queue if it is
+waiting, or told to stop through its cancel event, which the generator checks after every
+speculative step.
 """
 
 from __future__ import annotations
@@ -54,13 +58,15 @@ class Job:
 
 
 class Worker:
-    """Runs jobs one at a time on its own thread; at most `max_queue` wait."""
+    """Runs up to `max_batch` jobs at once; at most `max_queue` wait."""
 
-    def __init__(self, max_queue: int, on_queue_change=None):
+    def __init__(self, max_queue: int, on_queue_change=None, max_batch: int = 1):
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.generator = None  # set once the bundle is loaded
-        self.running: Job | None = None
-        self.last_progress = time.monotonic()  # when the running job last made progress
+        self.session = None    # the BatchSession, with max_batch > 1
+        self.active: list[Job] = []
+        self.last_progress = time.monotonic()  # when a running job last made progress
         self._queue: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -75,8 +81,12 @@ class Worker:
         return len(self._queue)
 
     @property
+    def running(self) -> int:
+        return len(self.active)
+
+    @property
     def idle(self) -> bool:
-        return self.running is None and not self._queue
+        return not self.active and not self._queue
 
     def submit(self, job: Job) -> None:
         with self._wake:
@@ -101,7 +111,7 @@ class Worker:
 
     def withdraw_all(self, why: str) -> None:
         with self._wake:
-            jobs = [*self._queue, *([self.running] if self.running else [])]
+            jobs = [*self._queue, *self.active]
         for job in jobs:
             self.withdraw(job, why)
 
@@ -111,36 +121,57 @@ class Worker:
             self._wake.notify()
 
     def _changed(self) -> None:
-        self._on_queue_change(len(self._queue), int(self.running is not None))
+        self._on_queue_change(len(self._queue), len(self.active))
 
     def _next(self) -> Job | None:
+        """The next job, once one waits and a slot is free (None: stopping)."""
         with self._wake:
-            while not self._queue and not self._stopping:
+            while (not self._queue or len(self.active) >= self.max_batch) \
+                    and not self._stopping:
                 self._wake.wait()
             if self._stopping:
                 return None
-            job = self.running = self._queue.popleft()
+            job = self._queue.popleft()
+            self.active.append(job)
             job.started = self.last_progress = time.monotonic()
             self._changed()
             return job
 
     def _serve(self) -> None:
         while (job := self._next()) is not None:
-            try:
-                for piece in self.generator.stream(prompt_ids=job.prompt_ids, config=job.config,
-                                                   cancel=job.cancel):
-                    self.last_progress = time.monotonic()
-                    job.post("piece", piece)
-                outcome = ("done", self.generator.last_result)
-            except Exception as e:  # a bad request the checks missed, or a model failure
-                if not isinstance(e, ValueError):
-                    log.exception("generation failed")
-                outcome = ("error", e)
-            with self._wake:  # finished before the last event, so nobody withdraws it after
-                job.finished = True
-                self.running = None
-                self._changed()
-            job.post(*outcome)
+            if self.session is None:
+                self._run(job)
+            else:
+                threading.Thread(target=self._run, args=(job,), daemon=True,
+                                 name="specedge-sequence").start()
+
+    def _run(self, job: Job) -> None:
+        try:
+            if self.session is None:
+                pieces = self.generator.stream(prompt_ids=job.prompt_ids, config=job.config,
+                                               cancel=job.cancel)
+            else:
+                pieces = self.session.run(job.prompt_ids, job.config, job.cancel)
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as done:
+                    result = done.value if self.session is not None else \
+                        self.generator.last_result
+                    break
+                self.last_progress = time.monotonic()
+                job.post("piece", piece)
+            outcome = ("done", result)
+        except Exception as e:  # a bad request the checks missed, or a model failure
+            if not isinstance(e, ValueError):
+                log.exception("generation failed")
+            outcome = ("error", e)
+        with self._wake:  # finished before the last event, so nobody withdraws it after
+            job.finished = True
+            self.active.remove(job)
+            self._changed()
+            self._wake.notify()
+        job.post(*outcome)
 
 
 def load_in_background(load: Callable[[], Any], loaded: Callable[[Any], None],
@@ -168,10 +199,12 @@ class LocalEngine:
     `withdraw_all`, `idle`, `in_flight`, `problem`."""
 
     def __init__(self, max_queue: int, stall_timeout: float, load: Callable[[], Generator],
-                 on_queue_change: Callable[[int, int], None] | None = None):
+                 on_queue_change: Callable[[int, int], None] | None = None,
+                 max_batch: int = 1, on_batch_call: Callable[[int], None] | None = None):
         self.load = load
         self.stall_timeout = stall_timeout
-        self.worker = Worker(max_queue, on_queue_change)
+        self.worker = Worker(max_queue, on_queue_change, max_batch)
+        self.on_batch_call = on_batch_call
         self.loader: threading.Thread | None = None
 
     def start(self, loaded: Callable[[Generator], None],
@@ -184,6 +217,11 @@ class LocalEngine:
             generator = self.load()
             # One short generation, so the first request does not pay for the first call.
             generator.generate(prompt_ids=[0], max_new_tokens=2, use_draft=False)
+            if self.worker.max_batch > 1:  # raises, saying what to export, for a bundle
+                from specedge.runtime.batch import BatchSession  # that cannot batch
+
+                self.worker.session = BatchSession(generator, self.worker.max_batch,
+                                                   self.on_batch_call)
             self.worker.generator = generator
             return generator
 
@@ -226,11 +264,11 @@ class LocalEngine:
 
     @property
     def in_flight(self) -> int:
-        return self.worker.waiting + int(self.worker.running is not None)
+        return self.worker.waiting + self.worker.running
 
     def stalled(self) -> float:
         """Seconds the running generation has gone without a token (0 when idle)."""
-        if self.worker.running is None:
+        if not self.worker.running:
             return 0.0
         return time.monotonic() - self.worker.last_progress
 
@@ -241,4 +279,4 @@ class LocalEngine:
         stalled = self.stalled()
         if stalled > self.stall_timeout:
             return "stalled", f"no token for {stalled:.0f} s"
-        return {"waiting": self.worker.waiting, "running": int(self.worker.running is not None)}
+        return {"waiting": self.worker.waiting, "running": self.worker.running}

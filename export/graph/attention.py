@@ -29,30 +29,33 @@ from __future__ import annotations
 
 import torch
 
+from specedge.export.graph.reshape import keep_batch, merge_heads, split_heads
 from specedge.export.graph.rotary import partial_rotary_tables, rotate
 
 
 def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,
                    t: int | torch.Tensor, groups: int, dtype: torch.dtype,
                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive masks, built once per call and shared by every layer: [C] for the cache
-    (rows >= past_length are empty) and [G*T, T] causal for the new rows (queries grouped).
+    """Additive masks, built once per call and shared by every layer: [B, 1, 1, C] for the
+    cache (rows >= the row's past_length [B] are empty) and [G*T, T] causal for the new
+    rows (queries grouped).
 
     `window`: sliding-window attention, each query attends to the last `window` positions,
     itself included (transformers' `kv_idx > q_idx - window`). The cache mask then depends
-    on the query and is [G*T, C]. The cache keeps every row, so a rollback stays a change
-    of length."""
+    on the query and is [B, 1, G*T, C]. The cache keeps every row, so a rollback stays a
+    change of length."""
     neg = torch.finfo(dtype).min
     rows = torch.arange(capacity)
-    past_valid = rows < past_length
+    lengths = past_length.reshape(-1, 1, 1, 1)  # [B, 1, 1, 1]
+    past_valid = rows < lengths
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     if window is None:
         return (torch.where(past_valid, 0.0, neg).to(dtype),
                 torch.where(causal, 0.0, neg).to(dtype).repeat(groups, 1))
     query = torch.arange(t).unsqueeze(1)  # [T, 1], at position past_length + query
-    past_valid = past_valid & (rows > past_length + query - window)
+    past_valid = past_valid & (rows > lengths + query - window)  # [B, 1, T, C]
     causal = causal & (torch.arange(t) > query - window)
-    return (torch.where(past_valid, 0.0, neg).to(dtype).repeat(groups, 1),
+    return (torch.where(past_valid, 0.0, neg).to(dtype).repeat(1, 1, groups, 1),
             torch.where(causal, 0.0, neg).to(dtype).repeat(groups, 1))
 
 
@@ -65,8 +68,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      past_k: torch.Tensor, past_v: torch.Tensor,
                      bias: tuple[torch.Tensor, torch.Tensor],
                      shape: tuple[int, int, int], cap: float | None = None) -> torch.Tensor:
-    """q [1, H, T, D], already scaled; k, v [1, Hkv, T, D]; past_k, past_v [1, Hkv, C, D];
-    bias from `attention_bias`; shape (H, Hkv, D) -> [1, T, H*D]. `cap`: the scores are
+    """q [B, H, T, D], already scaled; k, v [B, Hkv, T, D]; past_k, past_v [B, Hkv, C, D];
+    bias from `attention_bias`; shape (H, Hkv, D) -> [B, T, H*D]. `cap`: the scores are
     soft-capped before the mask is added (Gemma 2's eager_attention_forward), or not (None).
 
     Sizes come in as Python ints, not read from the tensors, and the cache size is read
@@ -77,12 +80,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     capacity = bias[0].shape[-1]
     # Query head h reads KV head h // groups (HF repeat_kv order), so grouping the queries
     # is a free reshape, while repeating K/V would copy the cache.
-    qg = q.reshape(1, kv_heads, -1, d)
+    qg = keep_batch(q, (kv_heads, -1, d))
     s_past = soft_cap(torch.matmul(qg, past_k.transpose(-1, -2)), cap) + bias[0]
     s_new = soft_cap(torch.matmul(qg, k.transpose(-1, -2)), cap) + bias[1]
     a = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
     out = torch.matmul(a[..., :capacity], past_v) + torch.matmul(a[..., capacity:], v)
-    return out.reshape(1, heads, -1, d).transpose(1, 2).reshape(1, -1, heads * d)
+    return merge_heads(keep_batch(out, (heads, -1, d)), heads * d)
 
 
 def portable_attention(qkv: torch.Tensor, rotary: tuple[torch.Tensor, ...],
@@ -90,14 +93,14 @@ def portable_attention(qkv: torch.Tensor, rotary: tuple[torch.Tensor, ...],
                        bias: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
                        q_scale: float = 1.0
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's attention over the cache from q|k|v [1, T, (H + 2 Hkv) D] of one
+    """One layer's attention over the cache from q|k|v [B, T, (H + 2 Hkv) D] of one
     projection, unrotated: q and k rotated with `rotary` (graph/rotary.py `rotary_tables`),
-    then `cached_attention`. -> (output [1, T, H D], new K rows, new V rows [1, Hkv, T, D]).
+    then `cached_attention`. -> (output [B, T, H D], new K rows, new V rows [B, Hkv, T, D]).
 
     q is either scaled already (the scale folded into its projection, which commutes with
     the rotation) or scaled here by `q_scale` after the rotation."""
     heads, kv_heads, d = shape
-    x = qkv.reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
+    x = split_heads(qkv, heads + 2 * kv_heads, d)
     qk = rotate(x[:, :heads + kv_heads], rotary)
     k, v = qk[:, heads:], x[:, heads + kv_heads:]
     q = qk[:, :heads] if q_scale == 1.0 else qk[:, :heads] * q_scale
@@ -107,17 +110,20 @@ def portable_attention(qkv: torch.Tensor, rotary: tuple[torch.Tensor, ...],
 class GroupQueryAttention(torch.autograd.Function):
     """ONNX Runtime's fused attention, com.microsoft GroupQueryAttention, for one layer.
 
-    Inputs: q|k|v from one projection [1, T, (H + 2 Hkv) D], unscaled; the cache buffers
-    [1, Hkv, C, D]; seqlens_k [1] = past_length + T - 1 and total [] = past_length + T
-    (int32); the rotary tables [R, D/2] and the rows of them to use [1, T] (the positions,
+    Inputs: q|k|v from one projection [B, T, (H + 2 Hkv) D], unscaled; the cache buffers
+    [B, Hkv, C, D]; seqlens_k [B] = past_length + T - 1 per row and total [] = the largest
+    past_length + T (int32); the rotary tables [R, D/2] and the rows of them to use [B, T]
+    (the positions,
     graph/rotary.py `gqa_positions`), or three Nones when q and k come rotated already (the
     kernel rotates only multiples of 16 dims, and not Gemma's per-layer-kind tables) or the
     model has no rotary (GPT-2); `window`: the sliding window, or 0; `cap`: Gemma 2's
     soft-capping of the scores, or 0.
-    Outputs: attention [1, T, H D] and the two cache buffers with the T new rows written at
-    [past_length, past_length + T). The runtime binds each of them to its past buffer, so
-    that the kernel writes the rows in place (it compares the addresses) and attends to the
-    valid rows only: no mask over the capacity, no copy of new rows.
+    Outputs: attention [B, T, H D] and the two cache buffers with each row's T new rows
+    written at [past_length, past_length + T) of that row. The runtime binds each of them
+    to its past buffer, so that the kernel writes the rows in place (it compares the
+    addresses) and attends to the valid rows only: no mask over the capacity, no copy of
+    new rows. The CPU kernel takes B > 1 with T = 1 only once a past is given
+    (runtime/bundle.py).
 
     `forward` is the same math in torch (`cached_attention`, then the rows written into
     copies of the buffers): what tracing runs. `symbolic` is the node the graph gets.
@@ -128,10 +134,10 @@ class GroupQueryAttention(torch.autograd.Function):
                 kv_heads, scale, window=0, cap=0.0):
         t = qkv.shape[1]
         d = qkv.shape[2] // (heads + 2 * kv_heads)
-        past_length = int(total) - t
-        bias = attention_bias(torch.tensor([past_length]), past_k.shape[2], t,
-                              heads // kv_heads, qkv.dtype, window or None)
-        x = qkv.reshape(1, t, heads + 2 * kv_heads, d).transpose(1, 2)
+        past_length = seqlens_k.long() + 1 - t  # [B]
+        bias = attention_bias(past_length, past_k.shape[2], t, heads // kv_heads, qkv.dtype,
+                              window or None)
+        x = split_heads(qkv, heads + 2 * kv_heads, d)
         q, k, v = x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
         if cos is not None:
             # Tables narrower than half a head rotate the first 2 x width dims only, as
@@ -143,8 +149,9 @@ class GroupQueryAttention(torch.autograd.Function):
         out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
                                cap or None)
         present_k, present_v = past_k.clone(), past_v.clone()
-        present_k[:, :, past_length:past_length + t] = k
-        present_v[:, :, past_length:past_length + t] = v
+        for row, start in enumerate(past_length.tolist()):
+            present_k[row, :, start:start + t] = k[row]
+            present_v[row, :, start:start + t] = v[row]
         return out, present_k, present_v
 
     @staticmethod
@@ -166,7 +173,7 @@ class GroupQueryAttention(torch.autograd.Function):
         # The head size from the cache input, whose last axis is static (q|k|v's may not be
         # known after a reshape).
         width = past_k.type().varyingSizes()[3] * heads
-        out.setType(qkv.type().with_sizes([1, None, width]))
+        out.setType(qkv.type().with_sizes([None, None, width]))
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())
         return out, present_k, present_v
@@ -174,16 +181,16 @@ class GroupQueryAttention(torch.autograd.Function):
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              shape: tuple[int, int, int]) -> torch.Tensor:
-    """q [1, H, T, D], k and v [1, Hkv, T, D] -> q|k|v [1, T, (H + 2 Hkv) D], the layout
+    """q [B, H, T, D], k and v [B, Hkv, T, D] -> q|k|v [B, T, (H + 2 Hkv) D], the layout
     GroupQueryAttention reads; shape (H, Hkv, D) as Python ints (`cached_attention`)."""
     heads, kv_heads, d = shape
-    return torch.cat([z.transpose(1, 2).reshape(1, -1, n * d)
+    return torch.cat([merge_heads(z, n * d)
                       for z, n in ((q, heads), (k, kv_heads), (v, kv_heads))], dim=-1)
 
 
 def gqa_lengths(past_length: torch.Tensor, input_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GroupQueryAttention's (seqlens_k, total): past_length + T - 1 and past_length + T,
-    int32, built once per call and shared by every layer."""
+    """GroupQueryAttention's (seqlens_k, total): past_length + T - 1 per row [B] and the
+    largest past_length + T [], int32, built once per call and shared by every layer."""
     total = past_length + input_ids.shape[1]
-    return (total - 1).to(torch.int32), total.to(torch.int32).reshape(())
+    return (total - 1).to(torch.int32), total.max().to(torch.int32)

@@ -30,6 +30,7 @@ from specedge.export.graph.attention import (
 from specedge.export.graph.families import kernel_rotates, model_dims_of
 from specedge.export.graph.outputs import last_positions, lm_head, target_features
 from specedge.export.graph.projections import gated_mlp, qkv_projection
+from specedge.export.graph.reshape import split_heads
 from specedge.export.graph.rotary import (
     call_tables,
     gqa_positions,
@@ -263,7 +264,7 @@ class Decoder(nn.Module):
         attn = layer.self_attn
         shape = heads, kv_heads, d = attention_shape(attn)
         if isinstance(inputs, FusedInputs) and inputs.rotary_cache is None:
-            x = cls.qkv(layer, h, 1.0).reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
+            x = split_heads(cls.qkv(layer, h, 1.0), heads + 2 * kv_heads, d)
             qk = rotate(x[:, :heads + kv_heads], inputs.rotary)
             return attend(qk[:, :heads], qk[:, heads:], x[:, heads + kv_heads:], past_k, past_v,
                           inputs, shape, attn.scaling)

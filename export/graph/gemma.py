@@ -42,6 +42,7 @@ from specedge.export.graph.decoder import (
 )
 from specedge.export.graph.families import layer_windows
 from specedge.export.graph.outputs import lm_head
+from specedge.export.graph.reshape import split_heads
 from specedge.export.graph.rotary import rotary_tables, rotate
 
 # Rope scalings whose tables the model's rotary embedding fixes at construction. "dynamic"
@@ -105,9 +106,9 @@ class GemmaDecoder(Decoder):
         query scale after the rotation; Gemma 2's soft-capped scores."""
         attn = layer.self_attn
         shape = heads, kv_heads, d = attention_shape(attn)
-        q = attn.q_proj(h).reshape(1, -1, heads, d).transpose(1, 2)
-        k = attn.k_proj(h).reshape(1, -1, kv_heads, d).transpose(1, 2)
-        v = attn.v_proj(h).reshape(1, -1, kv_heads, d).transpose(1, 2)
+        q = split_heads(attn.q_proj(h), heads, d)
+        k = split_heads(attn.k_proj(h), kv_heads, d)
+        v = split_heads(attn.v_proj(h), kv_heads, d)
         if hasattr(attn, "q_norm"):  # Gemma 3: per-head RMSNorm before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rotate(q, inputs.rotary), rotate(k, inputs.rotary)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from specedge.export.graph.decoder import Decoder, FusedInputs, PortableInputs, attend
+from specedge.export.graph.reshape import split_heads
 
 
 class GPT2Decoder(Decoder):
@@ -42,8 +43,7 @@ class GPT2Decoder(Decoder):
         1/sqrt(head size) and, with `scale_attn_by_inverse_layer_idx`, 1/(layer + 1))."""
         attn = layer.attn
         q, k, v = attn.c_attn(h).split(attn.embed_dim, dim=2)
-        q, k, v = (z.reshape(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
-                   for z in (q, k, v))
+        q, k, v = (split_heads(z, attn.num_heads, attn.head_dim) for z in (q, k, v))
         return attend(q, k, v, past_k, past_v, inputs,
                       (attn.num_heads, attn.num_heads, attn.head_dim), attn.scaling)
 

@@ -14,14 +14,18 @@ def last_positions(hidden: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.
 
 
 def lm_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    flat = hidden.reshape(-1, hidden.shape[-1])  # 2-D, so that `share_tied_head` applies
+    """Logits [B, N, vocab] of hidden [B, N, H], through a 2-D product, so that
+    `share_tied_head` (graph/trace.py) applies; the shape back once per graph."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    # The vocabulary as a Python int, so that the graph declares the logits' width.
+    rows, vocab = hidden.shape[:2], int(model.config.vocab_size)
     head_ids = getattr(model, "specedge_head_ids", None)
     if head_ids is None:
-        return model.lm_head(flat).unsqueeze(0)
+        return model.lm_head(flat).reshape(*rows, int(model.lm_head.weight.shape[0]))
     # A distilled draft scores only its head tokens; the others get logit -inf, q = 0.
     small = torch.nn.functional.linear(flat, model.lm_head.weight[head_ids])
-    full = torch.full((flat.shape[0], model.config.vocab_size), float("-inf"))
-    return full.scatter(1, head_ids.expand(flat.shape[0], -1), small).unsqueeze(0)
+    full = torch.full((flat.shape[0], vocab), float("-inf"))
+    return full.scatter(1, head_ids.expand(flat.shape[0], -1), small).reshape(*rows, vocab)
 
 
 def target_features(fuse: nn.Module | None, layer_outputs: list[torch.Tensor],

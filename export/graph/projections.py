@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specedge.export.graph.reshape import keep_batch
+
 
 def fused_weights(linears: list[nn.Module], scales: list[float]) -> tuple[torch.Tensor, ...]:
     """One projection for several that read the same input: weights (and biases) stacked
@@ -19,7 +21,7 @@ def fused_weights(linears: list[nn.Module], scales: list[float]) -> tuple[torch.
 
 
 def qkv_projection(attn: nn.Module, h: torch.Tensor, q_scale: float) -> torch.Tensor:
-    """q|k|v [1, T, (H + 2 Hkv) D] of the layer's normalized input `h` from one projection,
+    """q|k|v [B, T, (H + 2 Hkv) D] of the layer's normalized input `h` from one projection,
     q scaled by `q_scale`, unrotated (the Llama layout's q_proj, k_proj and v_proj). With
     per-head q and k norms (Qwen3) those are applied, and the scale after them."""
     if getattr(attn, "q_norm", None) is None:
@@ -29,10 +31,11 @@ def qkv_projection(attn: nn.Module, h: torch.Tensor, q_scale: float) -> torch.Te
     heads, kv_heads = attn.q_proj.weight.shape[0] // d, attn.k_proj.weight.shape[0] // d
     qkv = torch.nn.functional.linear(
         h, *fused_weights([attn.q_proj, attn.k_proj, attn.v_proj], [1.0] * 3))
-    q, k, v = qkv.reshape(1, -1, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads],
-                                                                dim=2)
+    q, k, v = keep_batch(qkv, (-1, heads + 2 * kv_heads, d)).split(
+        [heads, kv_heads, kv_heads], dim=2)
     q = attn.q_norm(q) * q_scale if q_scale != 1.0 else attn.q_norm(q)
-    return torch.cat([q, attn.k_norm(k), v], dim=2).reshape(1, -1, (heads + 2 * kv_heads) * d)
+    return keep_batch(torch.cat([q, attn.k_norm(k), v], dim=2),
+                      (-1, (heads + 2 * kv_heads) * d))
 
 
 def gated_mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -55,15 +55,16 @@ def _frequencies(rotary_emb: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
 
 def _long_rows(position_ids: torch.Tensor, past_length: torch.Tensor,
                switch: int) -> torch.Tensor:
-    """[1, T] bool: the positions longrope rotates with its long factors (module
-    docstring): from `switch` on, and all of a first call that reaches it."""
-    first_call = (past_length == 0) & (position_ids.max() >= switch)
+    """[B, T] bool: the positions longrope rotates with its long factors (module
+    docstring): from `switch` on, and all of a row's first call that reaches it."""
+    first_call = ((past_length == 0).unsqueeze(-1)
+                  & (position_ids.max(dim=-1, keepdim=True).values >= switch))
     return (position_ids >= switch) | first_call
 
 
 def call_tables(rotary_emb: nn.Module, position_ids: torch.Tensor,
                 past_length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [1, T, d] for the positions of one call, as transformers computes them
+    """(cos, sin) [B, T, d] for the positions of one call, as transformers computes them
     (position_ids[..., None] * inv_freq, both halves, times attention_scaling)."""
     short, long, switch = _frequencies(rotary_emb)
     inv = short
@@ -78,7 +79,7 @@ def call_tables(rotary_emb: nn.Module, position_ids: torch.Tensor,
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, d: int) -> tuple[torch.Tensor, ...]:
     """(cos, signed sin, permutation) for `rotate`, built once per call from the model's
-    rotary embedding [1, T, d]: HF's rotate_half(x) = cat(-x2, x1) = x[..., perm] * sign."""
+    rotary embedding [B, T, d]: HF's rotate_half(x) = cat(-x2, x1) = x[..., perm] * sign."""
     half = d // 2
     perm = torch.cat([torch.arange(half, 2 * half), torch.arange(half)])
     sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin.dtype)

@@ -21,7 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class SkipRMSNorm(torch.autograd.Function):
-    """(rms_norm(x + skip), x + skip) for x, skip [1, T, H] and the norm's weight [H]
+    """(rms_norm(x + skip), x + skip) for x, skip [B, T, H] and the norm's weight [H]
     (`hidden`: H, a Python int for the graph's declared shapes).
 
     `forward` is the same math in torch (what tracing runs); `symbolic` is the node the
@@ -39,11 +39,11 @@ class SkipRMSNorm(torch.autograd.Function):
                                             x, skip, weight, epsilon_f=eps, outputs=4)
         # The exporter cannot infer a contrib operator's output shapes: without them the
         # shapes after the first layer (logits, features) would be unknown in the graph.
-        shape = x.type().with_sizes([1, None, hidden])
+        shape = x.type().with_sizes([None, None, hidden])
         normed.setType(shape)
         total.setType(shape)
-        mean.setType(x.type().with_sizes([1, None, 1]))
-        inv_std.setType(x.type().with_sizes([1, None, 1]))
+        mean.setType(x.type().with_sizes([None, None, 1]))
+        inv_std.setType(x.type().with_sizes([None, None, 1]))
         return normed, total
 
 

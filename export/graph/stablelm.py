@@ -11,6 +11,7 @@ from torch import nn
 
 from specedge.export.graph.decoder import Decoder, attention_shape
 from specedge.export.graph.projections import fused_weights, gated_mlp, qkv_projection
+from specedge.export.graph.reshape import merge_heads, split_heads
 
 
 class StableLmDecoder(Decoder):
@@ -27,12 +28,12 @@ class StableLmDecoder(Decoder):
             return qkv_projection(attn, h, q_scale)
         qkv = torch.nn.functional.linear(
             h, *fused_weights([attn.q_proj, attn.k_proj, attn.v_proj], [1.0] * 3))
-        x = qkv.reshape(1, -1, heads + 2 * kv_heads, d).transpose(1, 2)
+        x = split_heads(qkv, heads + 2 * kv_heads, d)
         q = attn.q_layernorm(x[:, :heads])
         q = q * q_scale if q_scale != 1.0 else q
         k = attn.k_layernorm(x[:, heads:heads + kv_heads])
         x = torch.cat([q, k, x[:, heads + kv_heads:]], dim=1)
-        return x.transpose(1, 2).reshape(1, -1, (heads + 2 * kv_heads) * d)
+        return merge_heads(x, (heads + 2 * kv_heads) * d)
 
     @staticmethod
     def residual(layer: nn.Module, x: torch.Tensor, h: torch.Tensor,

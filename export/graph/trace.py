@@ -36,7 +36,7 @@ OPSET = 21
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 7
+GRAPH_REVISION = 8
 # The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
 # family's hooks.
 DECODERS: dict[str, type[Decoder]] = {
@@ -109,25 +109,29 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     dims = model_dims(model)
     n, kv, d = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
     dtype = next(model.parameters()).dtype
-    t, capacity = 3, 8  # example sizes; both axes are dynamic in the graph
+    # Example sizes; the batch, token and cache axes are dynamic in the graph. Two rows of
+    # different lengths, so that nothing of one row's length is taken for a constant.
+    b, t, capacity = 2, 3, 8
     reads = getattr(model, "reads_features", False)  # a feature draft (export/drafts)
-    args = (torch.zeros(1, t, dtype=torch.long), torch.arange(2, 2 + t).unsqueeze(0),
-            torch.tensor([2]), torch.tensor([t]),
-            *[torch.zeros(1, kv, capacity, d, dtype=dtype) for _ in range(2 * n)])
+    past_length = torch.tensor([2, 1])
+    args = (torch.zeros(b, t, dtype=torch.long),
+            past_length.unsqueeze(1) + torch.arange(t), past_length, torch.tensor([t]),
+            *[torch.zeros(b, kv, capacity, d, dtype=dtype) for _ in range(2 * n)])
     if reads:
-        args += (torch.zeros(1, t, model.config.hidden_size, dtype=dtype),)
+        args += (torch.zeros(b, t, model.config.hidden_size, dtype=dtype),)
     # A target's features: for the last features_to_keep positions (runtime/bundle.py).
     keeps = bool(features) and not reads
     if keeps:
         args += (torch.tensor([t]),)
     inputs, outputs = graph_io(n, reads, bool(features) or reads, keeps)
-    dynamic = {"input_ids": {1: "T"}, "position_ids": {1: "T"}, "logits": {1: "N"}}
+    dynamic = {"input_ids": {0: "B", 1: "T"}, "position_ids": {0: "B", 1: "T"},
+               "past_length": {0: "B"}, "logits": {0: "B", 1: "N"}}
     for name in inputs[4:]:
         if name != FEATURES_KEEP:
-            dynamic[name] = {1: "T"} if name == FEATURES_IN else {2: "C"}
+            dynamic[name] = {0: "B", 1: "T"} if name == FEATURES_IN else {0: "B", 2: "C"}
     for name in outputs[1:]:
-        dynamic[name] = ({1: "F" if keeps else "T"} if name == FEATURES_OUT
-                         else {2: "C" if fused else "T"})
+        dynamic[name] = ({0: "B", 1: "F" if keeps else "T"} if name == FEATURES_OUT
+                         else {0: "B", 2: "C" if fused else "T"})
     if reads and fused:
         model.fuse_attention()
     module = model if reads else wrap(model, features, fused)

@@ -16,7 +16,7 @@ from specedge.runtime.bundle import (
     ModelSpec,
 )
 from specedge.runtime.errors import BackendUnavailableError, BundleError
-from specedge.runtime.kv_cache import KVCache, check_call
+from specedge.runtime.kv_cache import KVCache, SlotCaches, check_call
 
 MAX_KEPT_T = 16
 # The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
@@ -81,6 +81,9 @@ class OrtCpuBackend:
         self._features_keep = np.zeros(1, np.int64)
         self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
+        # Calls on several slots of the SlotCaches held (`forward_slots`), per (lo, n, T).
+        self._slot_caches: SlotCaches | None = None
+        self._slot_bindings: dict[tuple[int, int, int], _SlotBinding] = {}
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
         self.features: np.ndarray | None = None  # [T, H] of the last call (feature output)
 
@@ -167,6 +170,102 @@ class OrtCpuBackend:
         self.features = None if b.features_out is None or not f else \
             b.features_out[0][:t - padded]
         return b.logits[0][:1] if padded else b.logits[0]
+
+    def forget_bindings(self) -> None:
+        """Drop every binding: the buffers of a cache they point to were replaced
+        (SlotCaches.grow)."""
+        self._cache, self._bindings = None, {}
+        self._slot_caches, self._slot_bindings = None, {}
+
+    def forward_slots(self, caches: SlotCaches, lo: int, rows: dict[int, list[int]]
+                      ) -> dict[int, np.ndarray]:
+        """One call on slots [lo, hi) of `caches` (hi past the last slot in `rows`): slot s
+        runs the tokens rows[s] at its positions [length, length + len). Rows are padded to
+        the longest with their last token; a slot in the range without a row runs padding
+        at its own length and keeps its rows. Returns each row's logits [len, vocab] (views,
+        valid until the next call) and appends its K/V rows to its slot.
+
+        Portable graphs only (KV layout "bhsd-fixed"): ONNX Runtime's CPU
+        GroupQueryAttention takes several rows only one token each (runtime/bundle.py)."""
+        check_batch_rows(self.spec)
+        hi = max(rows) + 1
+        n, t = hi - lo, max(len(ids) for ids in rows.values())
+        for slot, ids in rows.items():
+            check_call(caches.slots[slot], len(ids), 1)
+        if self._slot_caches is not caches:
+            self._slot_caches, self._slot_bindings = caches, {}
+        key = (lo, n, t)
+        b = self._slot_bindings.get(key)
+        if b is None:
+            b = self._slot_bindings[key] = self._bind_slots(caches, lo, n, t)
+        ids, positions = b.ids
+        for i in range(n):
+            cache = caches.slots[lo + i]
+            tokens = rows.get(lo + i) or [0]
+            ids[i, :len(tokens)] = tokens
+            ids[i, len(tokens):] = tokens[-1]
+            positions[i] = np.arange(cache.length, cache.length + t)
+            b.past_length[i] = cache.length
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(b.io)
+        self.run_seconds += time.perf_counter() - t0
+        logits = {}
+        for slot, tokens in rows.items():
+            caches.slots[slot].write(b.presents[:, slot - lo:slot - lo + 1, :, :len(tokens)])
+            logits[slot] = b.logits[slot - lo, :len(tokens)]
+        return logits
+
+    def _bind_slots(self, caches: SlotCaches, lo: int, n: int, t: int) -> _SlotBinding:
+        """Bind every tensor of a call on n slots from `lo`, T tokens each."""
+        s = self.spec
+        block = caches.block(lo, lo + n)
+        b = _SlotBinding(io=self.session.io_binding(), ids=np.zeros((2, n, t), np.int64),
+                         past_length=np.zeros(n, np.int64), keep=np.array([t], np.int64),
+                         logits=np.zeros((n, t, s.vocab_size), np.float32),
+                         presents=np.zeros((2 * s.num_layers, n, s.num_kv_heads, t,
+                                            s.head_dim), np.float32),
+                         block=block)
+        for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
+                          ("past_length", b.past_length), ("logits_to_keep", b.keep)):
+            b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+        for j, name in enumerate(self._inputs[4:4 + 2 * s.num_layers]):
+            plane = block[j]
+            b.io.bind_input(name, "cpu", 0, np.float32, list(plane.shape), plane.ctypes.data)
+        b.io.bind_output("logits", "cpu", 0, np.float32, list(b.logits.shape),
+                         b.logits.ctypes.data)
+        for j, name in enumerate(self._outputs[1:1 + 2 * s.num_layers]):
+            b.io.bind_output(name, "cpu", 0, np.float32, list(b.presents[j].shape),
+                             b.presents[j].ctypes.data)
+        return b
+
+
+@dataclass
+class _SlotBinding:
+    """IO binding of a call on n consecutive slots of a SlotCaches, T tokens each."""
+
+    io: object
+    ids: np.ndarray          # [2, n, T]: input_ids, position_ids
+    past_length: np.ndarray  # [n]
+    keep: np.ndarray         # [1] = T: every position's logits
+    logits: np.ndarray       # [n, T, vocab]
+    presents: np.ndarray     # [2 * layers, n, kv_heads, T, head_dim]
+    block: np.ndarray        # the slots' planes, held while bound
+
+
+def check_batch_rows(spec: ModelSpec) -> None:
+    """Raise ValueError, saying what to export, unless the graph takes several rows of
+    several tokens in one call (`forward_slots`)."""
+    if spec.kv_layout == KV_LAYOUT_IN_PLACE:
+        raise ValueError(f"{spec.path} runs attention on ONNX Runtime's GroupQueryAttention, "
+                         "whose CPU kernel takes several rows one token each only: for "
+                         "batched decoding, export the bundle with --attention portable")
+    if not spec.batch_rows:
+        raise ValueError(f"{spec.path} takes one row a call (bundle format 3 or older): "
+                         "re-export the bundle for batched decoding")
+    if spec.features:
+        raise ValueError(f"{spec.path} has feature-draft I/O, which batched decoding does "
+                         "not feed yet: export the bundle with a model draft (--draft-layers "
+                         "N or a model draft folder) or none")
 
 
 def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:

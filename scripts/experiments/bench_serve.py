@@ -94,10 +94,12 @@ REQUEST_TIMEOUT = 600.0
 LLAMA_CPP_CONTEXT = 2048
 
 SPEC, PLAIN, LLAMA = "specedge spec", "specedge plain", "llama.cpp server"
+# The same server with --max-batch N: up to N requests at once, sharing each model call.
+BATCH_SPEC, BATCH_PLAIN = "specedge batch spec", "specedge batch plain"
 LLAMA_LOOKUP = "llama.cpp server lookup"
 LLAMAS = (LLAMA, LLAMA_LOOKUP)
 IN_SPEC, IN_PLAIN = "in-process spec", "in-process plain"
-SYSTEMS = (SPEC, PLAIN, LLAMA, LLAMA_LOOKUP, IN_SPEC, IN_PLAIN)
+SYSTEMS = (SPEC, PLAIN, BATCH_SPEC, BATCH_PLAIN, LLAMA, LLAMA_LOOKUP, IN_SPEC, IN_PLAIN)
 # llama-cpp-python's own speculative mode: prompt-lookup decoding, its default 10 tokens.
 LLAMA_LOOKUP_TOKENS = 10
 IN_PROCESS = {IN_SPEC: True, IN_PLAIN: False}  # name: speculative on
@@ -200,7 +202,8 @@ class Run:
     def rates(self) -> dict:
         return {"requests_per_second": len(self.ok) / self.seconds,
                 "tokens_per_second": self.tokens / self.seconds,
-                "ttft_p50": percentiles([a.ttft for a in self.ok if a.ttft is not None])["p50"]}
+                "ttft_p50": percentiles([a.ttft for a in self.ok if a.ttft is not None])["p50"],
+                "itl_p99": percentiles([g for a in self.ok for g in a.gaps])["p99"]}
 
 
 def http_run(url: str, bodies: list[dict], concurrency: int) -> Run:
@@ -283,12 +286,15 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_specedge(bundle: Path, threads: int, logs: Path) -> ServerProcess:
+def start_specedge(bundle: Path, threads: int, logs: Path, max_batch: int = 1
+                   ) -> ServerProcess:
     port = free_port()
-    return ServerProcess(SPEC, [sys.executable, "-m", "specedge.cli", "serve", "--bundle",
+    name, log = (SPEC, "specedge.log") if max_batch == 1 else (BATCH_SPEC, "specedge_batch.log")
+    return ServerProcess(name, [sys.executable, "-m", "specedge.cli", "serve", "--bundle",
                                 str(bundle), "--port", str(port), "--threads", str(threads),
-                                "--max-queue", "256", "--log-level", "warning"],
-                         port, "/health", logs / "specedge.log")
+                                "--max-queue", "256", "--max-batch", str(max_batch),
+                                "--log-level", "warning"],
+                         port, "/health", logs / log)
 
 
 def import_error(module: str) -> str | None:
@@ -367,7 +373,7 @@ def body(system: str, prompt: str, max_tokens: int) -> dict:
     if system in LLAMAS:
         return {**b, "repeat_penalty": 1.0}  # llama-cpp-python's default is 1.1
     return {**b, "stream_options": {"include_usage": True},
-            "speculative": {"enabled": system == SPEC}}
+            "speculative": {"enabled": system in (SPEC, BATCH_SPEC)}}
 
 
 def prompt_tokens(url: str, system: str, prompt: str) -> int:
@@ -413,11 +419,14 @@ def ratios(runs: dict[tuple[str, int], list[Run]], concurrency: list[int]) -> li
     """The ratios the report quotes, round by round (see the module docstring)."""
     out = []
 
-    def add(name: str, c: int, num: str, den: str, key: str, goal: str | None = None):
-        if (num, c) not in runs or (den, c) not in runs:
+    def add(name: str, c: int, num: str, den: str, key: str, goal: str | None = None,
+            den_c: int | None = None):
+        """num at concurrency c over den at den_c (default c), round by round."""
+        den_c = c if den_c is None else den_c
+        if (num, c) not in runs or (den, den_c) not in runs:
             return
         per_round = [a.rates()[key] / b.rates()[key]
-                     for a, b in zip(runs[num, c], runs[den, c])
+                     for a, b in zip(runs[num, c], runs[den, den_c])
                      if a.rates()[key] and b.rates()[key]]
         if per_round:
             out.append({"ratio": name, "concurrency": c, **ratio_ci(per_round),
@@ -428,6 +437,12 @@ def ratios(runs: dict[tuple[str, int], list[Run]], concurrency: list[int]) -> li
         add(f"{SPEC} / {LLAMA} tok/s", c, SPEC, LLAMA, "tokens_per_second")
         add(f"{PLAIN} / {LLAMA} tok/s", c, PLAIN, LLAMA, "tokens_per_second")
         add(f"{SPEC} / {PLAIN} tok/s", c, SPEC, PLAIN, "tokens_per_second")
+        add(f"{BATCH_SPEC} / {SPEC} tok/s", c, BATCH_SPEC, SPEC, "tokens_per_second",
+            ">= 2.5" if c == 4 else ">= 1" if c == 1 else None)
+        add(f"{BATCH_PLAIN} / {PLAIN} tok/s", c, BATCH_PLAIN, PLAIN, "tokens_per_second")
+        add(f"{BATCH_SPEC} / {LLAMA} tok/s", c, BATCH_SPEC, LLAMA, "tokens_per_second")
+        add(f"{BATCH_SPEC} / {SPEC} at 1 ITL p99", c, BATCH_SPEC, SPEC, "itl_p99", "<= 2",
+            den_c=1)
     if 1 in concurrency:
         add(f"{SPEC} / {IN_SPEC} tok/s", 1, SPEC, IN_SPEC, "tokens_per_second", ">= 0.95")
         add(f"{PLAIN} / {IN_PLAIN} tok/s", 1, PLAIN, IN_PLAIN, "tokens_per_second", ">= 0.95")
@@ -438,7 +453,8 @@ def ratios(runs: dict[tuple[str, int], list[Run]], concurrency: list[int]) -> li
 
 
 def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: list[int],
-            prompts: list[dict], max_tokens: int, cache: Path, llama_cpp: bool) -> dict:
+            prompts: list[dict], max_tokens: int, cache: Path, llama_cpp: bool,
+            max_batch: int = 1) -> dict:
     """Start the servers, run every round, and return the report's figures."""
     from specedge.runtime.generator import Generator
 
@@ -448,6 +464,8 @@ def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: l
     try:
         print("starting specedge serve", file=sys.stderr)
         servers[SPEC] = start_specedge(bundle, threads, logs)
+        if max_batch > 1:
+            servers[BATCH_SPEC] = start_specedge(bundle, threads, logs, max_batch)
         if llama_cpp:
             why = import_error("llama_cpp.server.app")
             if why is None:
@@ -474,12 +492,15 @@ def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: l
 
         urls = {SPEC: servers[SPEC].url + "/v1/chat/completions"}
         urls[PLAIN] = urls[SPEC]
+        if BATCH_SPEC in servers:
+            urls[BATCH_SPEC] = urls[BATCH_PLAIN] = (servers[BATCH_SPEC].url
+                                                     + "/v1/chat/completions")
         for name in LLAMAS:
             if name in servers:
                 urls[name] = servers[name].url + "/v1/chat/completions"
         first = prompts[0]["prompt"]
         counts = {name: prompt_tokens(url, name, first) for name, url in urls.items()
-                  if name != PLAIN}
+                  if name not in (PLAIN, BATCH_PLAIN)}
         counts["in-process"] = len(generator.encode_prompt(first))
         if len(set(counts.values())) > 1:
             print(f"note: the first prompt's token counts differ between systems: {counts}",
@@ -597,6 +618,10 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{' '.join(map(str, QUICK['concurrency']))}, {QUICK['prompts']} "
                          "prompts: a couple of minutes")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--max-batch", type=int, default=0,
+                    help="also run the server with --max-batch N (a bundle exported with "
+                         "--attention portable), as 'specedge batch spec/plain' (default 0: "
+                         "not)")
     ap.add_argument("--out", type=Path, default=Path("bench_results/serve.json"),
                     help="the JSON report; the GGUF and server logs go in a folder of its "
                          "name beside it")
@@ -625,6 +650,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bundle": str(bundle),
         "precision": json.loads((bundle / "manifest.json").read_text()).get("precision"),
         "threads": args.threads, "rounds": args.rounds, "concurrency": concurrency,
+        "max_batch": args.max_batch,
         "prompts": len(prompts), "prompt_indices": [p["index"] for p in prompts],
         "prompt_categories": sorted({p["category"] for p in prompts}),
         "max_tokens": args.max_tokens, "greedy": True, "stream": True,
@@ -632,7 +658,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results.update(measure(bundle, lambda: gguf_for(bundle, cache), args.threads,
                            args.rounds, concurrency, prompts, args.max_tokens, cache,
-                           not args.no_llama_cpp))
+                           not args.no_llama_cpp, args.max_batch))
     results["load_average"]["end"] = _load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out, json.dumps(results, indent=2) + "\n")

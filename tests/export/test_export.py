@@ -47,10 +47,13 @@ def test_manifest_records_the_contract(tiny_bundle):
     inputs, outputs = graph_io(target["num_layers"])
     assert [i["name"] for i in target["inputs"]] == inputs
     assert [o["name"] for o in target["outputs"]] == outputs
-    assert target["inputs"][4]["shape"] == [1, target["num_kv_heads"], "C", target["head_dim"]]
-    assert target["outputs"][1]["shape"] == [1, target["num_kv_heads"], "T",
+    assert target["inputs"][0]["shape"] == ["B", "T"]
+    assert target["inputs"][4]["shape"] == ["B", target["num_kv_heads"], "C",
+                                            target["head_dim"]]
+    assert target["outputs"][1]["shape"] == ["B", target["num_kv_heads"], "T",
                                              target["head_dim"]]
     assert target["kv_layout"] == "bhsd-fixed"
+    assert target["batch_rows"] is True and manifest["format_version"] == 4
     assert manifest["tokenizer"]["eos_token_ids"] == [2]
     assert manifest["versions"]["torch"].startswith("2.13")
     bundle = load_bundle(tiny_bundle)

@@ -159,7 +159,8 @@ def test_window_mask_is_transformers():
     past_length, capacity, t, groups = 11, 16, 3, 2
     past, new = attention_bias(torch.tensor([past_length]), capacity, t, groups,
                                torch.float32, WINDOW)
-    assert past.shape == (groups * t, capacity) and new.shape == (groups * t, t)
+    assert past.shape == (1, 1, groups * t, capacity) and new.shape == (groups * t, t)
+    past = past[0, 0]
     for g in range(groups):
         for q in range(t):
             pos = past_length + q

@@ -41,7 +41,7 @@ def test_fused_graphs_have_one_attention_node_per_layer(tiny_fused_bundle, porta
         model = manifest["models"][role]
         assert model["kv_layout"] == "bhsd-inplace"
         presents = [o["shape"] for o in model["outputs"] if o["name"].startswith("present")]
-        assert presents and all(p == [1, model["num_kv_heads"], "C", 16] for p in presents)
+        assert presents and all(p == ["B", model["num_kv_heads"], "C", 16] for p in presents)
         ops = _ops(tiny_fused_bundle / model["file"])
         assert ops["GroupQueryAttention"] == model["num_layers"]
         assert ops["Softmax"] == 0  # no attention left outside the fused node
@@ -62,9 +62,9 @@ def test_fused_graph_declares_its_output_shapes(tiny_checkpoints, tmp_path):
     shapes = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim]
               for o in graph.output}
     cfg = model.config
-    assert shapes["logits"] == [1, "N", cfg.vocab_size]
-    assert shapes["hidden_states"] == [1, "F", cfg.hidden_size]  # features_to_keep rows
-    assert shapes["present.1.value"] == [1, cfg.num_key_value_heads, "C", 16]
+    assert shapes["logits"] == ["B", "N", cfg.vocab_size]
+    assert shapes["hidden_states"] == ["B", "F", cfg.hidden_size]  # features_to_keep rows
+    assert shapes["present.1.value"] == ["B", cfg.num_key_value_heads, "C", 16]
 
 
 def test_fused_module_computes_what_the_portable_module_computes(tiny_checkpoints):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from power_controls import resamples_from_p
 
 from specedge.gpu_check.two_sample import first_tokens, two_sample_pvalue
 from specedge.runtime import Generator, token_selection
 from specedge.runtime.config import Sampling
 from specedge.runtime.drafting import PromptLookupDrafter
-from specedge.runtime.sampling import sample
 
 PROMPTS = ["hello world", "the cat sat on the mat", "a, b, c!", "why?"]
 
@@ -82,21 +82,6 @@ def test_sampled_draft_equal_to_target_accepts_almost_everything(self_gen):
     assert out.stats["acceptance_rate"] > 0.97
 
 
-def _resamples_from_p(draft_ids, q_probs, p_probs, rng):
-    """WRONG on purpose: verify_sampled's acceptance test, but a rejected draft is replaced
-    by a draw from p_i instead of the residual norm(max(0, p_i - q_i)), the usual mistake in
-    speculative sampling. Only the token that replaces a rejected draft is off."""
-    def at(row, x):
-        return float(row.at(x)) if hasattr(row, "at") else float(row[x])
-
-    for i, x in enumerate(draft_ids):
-        q_x = 1.0 if q_probs is None else at(q_probs[i], x)
-        if rng.random() * q_x < at(p_probs[i], x):
-            continue
-        return i, sample(p_probs[i], rng)
-    return len(draft_ids), sample(p_probs[len(draft_ids)], rng)
-
-
 # (settings, tokens counted). A draft whose q is under the threshold is kept and ends the
 # drafting, so with one draft (two tokens counted) the threshold would change nothing; its
 # case counts three tokens: t2 and t3 are the verified first and second drafts, or what
@@ -125,7 +110,7 @@ def test_speculative_and_plain_sample_the_same_first_tokens(gen, sampling, count
 
     Power control, at the same N, seeds and alpha: the speculative arm run with a verifier
     that replaces a rejected draft by a draw from p instead of the residual
-    (`_resamples_from_p`) must be rejected. On these settings its p-values are 2e-13 to
+    (`resamples_from_p`) must be rejected. On these settings its p-values are 2e-13 to
     2e-9 (the correct arm's 0.18 to 0.86); a bug half that size (a draw from half p, half
     the residual) gives p = 0.004 at T = 1, which this N does not detect.
     """
@@ -143,7 +128,7 @@ def test_speculative_and_plain_sample_the_same_first_tokens(gen, sampling, count
         lookup = sum(c for tokens, c in spec.items() if tokens[0] == 12)
         assert 100 <= lookup <= 1400, f"lookup drafted in {lookup} of 1500 generations"
     assert two_sample_pvalue(plain, spec) > 0.001
-    monkeypatch.setattr(token_selection, "verify_sampled", _resamples_from_p)
+    monkeypatch.setattr(token_selection, "verify_sampled", resamples_from_p)
     wrong = first_tokens(gen, 1500, 10_000, count, draft_tokens=2, **sampling)
     assert two_sample_pvalue(plain, wrong) < 0.001
 

@@ -1,0 +1,285 @@
+"""Several generations at once on one bundle: each sequence runs the loop of a single
+generation (loop.py, with its own drafter, K, sampling, seed, stop strings, cancel event
+and statistics) on a thread of its own, and their model calls meet in one call on
+several rows.
+
+    sequence 1:  ... target([t, d1, d2]) ...  draft([d2]) ...
+    sequence 2:  ... target([u]) .........    draft([u]) ...
+                        \\  one call, rows padded to T = 3  /   one call, T = 1
+
+A `BatchSession` holds one SlotCaches per model (kv_cache.py), max_batch slots each, so
+that a call on several rows binds one block of memory per cache plane. A sequence takes a
+free slot when it starts (`run`) and gives it back when it ends, so sequences join and
+leave between steps (continuous batching). A sequence's thread blocks in its model's
+`forward` until every running sequence waits on a call; the last one to arrive runs each
+model's waiting calls (`_Meeting`): the short ones as one call, a prompt (more than
+MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others. The threads
+only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the call.
+
+Exact per sequence: a row of a call is computed as in a call of that row alone with the
+same T (rows share no reductions; tests/runtime/test_batch.py checks it bit for bit), so
+greedy output equals the sequence's plain decoding alone wherever the single-sequence
+loop's does across T (fp32; docs/design.md, "Batch invariance of quantized graphs"), and
+sampled output follows the target's distribution, each sequence drawing from its own
+seeded generator. Graphs on GroupQueryAttention cannot take several rows of several
+tokens (runtime/bundle.py): batching needs a bundle exported with --attention portable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from collections.abc import Generator as PieceGenerator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specedge.runtime.backends.ort_cpu import OrtCpuBackend, check_batch_rows
+from specedge.runtime.config import GenerationConfig
+from specedge.runtime.drafting import ModelDrafter
+from specedge.runtime.drafting.auto_k import Histories
+from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
+from specedge.runtime.kv_cache import CAPACITY_STEP, SlotCaches, capacity_for
+
+# A call of more tokens than this is a prompt: it runs on its own row, not padding others.
+MAX_BATCHED_TOKENS = 16
+
+
+class BatchFull(Exception):
+    """Every slot of the session holds a running sequence."""
+
+
+@dataclass
+class _Call:
+    model: _Model
+    slot: int
+    tokens: list[int]
+    keep: int
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Model:
+    """One model of the session: its backend and the slots of its caches."""
+
+    backend: OrtCpuBackend
+    caches: SlotCaches
+    max_context: int
+
+
+@dataclass
+class _Meeting:
+    """Where the running sequences' model calls meet."""
+
+    running: int = 0
+    waiting: list[_Call] = field(default_factory=list)
+    on_call: Callable[[int], None] | None = None
+    target: _Model | None = None
+    done: threading.Condition = field(default_factory=threading.Condition)
+
+    def join(self) -> None:
+        with self.done:
+            self.running += 1
+
+    def leave(self) -> None:
+        with self.done:
+            self.running -= 1
+            self._run_when_all_wait()
+
+    def call(self, call: _Call) -> np.ndarray:
+        with self.done:
+            self.waiting.append(call)
+            self._run_when_all_wait()
+            while call.logits is None and call.error is None:
+                self.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.logits
+
+    def _run_when_all_wait(self) -> None:
+        if not self.waiting or len(self.waiting) < self.running:
+            return
+        calls = self.waiting
+        # The target's calls wait while any draft call does: the sequences that draft run
+        # their draft steps, and every sequence's verification then meets in one target
+        # call. Run as they come, the sequences' phases drift apart and split the target's
+        # calls (SmolLM2 int4, 4 sequences, K = 2: target calls of 1 and 3 rows).
+        if any(c.model is not self.target for c in calls):
+            self.waiting = [c for c in calls if c.model is self.target]
+            calls = [c for c in calls if c.model is not self.target]
+        else:
+            self.waiting = []
+        for model in {id(c.model): c.model for c in calls}.values():
+            group = [c for c in calls if c.model is model]
+            try:
+                rows = _run_group(model, group)
+                if model is self.target and self.on_call and rows:
+                    self.on_call(rows)
+            except BaseException as e:  # every waiting sequence learns of it
+                for c in group:
+                    if c.logits is None:
+                        c.error = e
+        self.done.notify_all()
+
+
+def _run_group(model: _Model, group: list[_Call]) -> int:
+    """One model's waiting calls: the short ones in one call, prompts one by one; the
+    slots' capacity raised first where a call needs more rows. Returns the rows of the
+    batched call (0: none)."""
+    caches, backend = model.caches, model.backend
+    need = max(caches.slots[c.slot].length + len(c.tokens) for c in group)
+    if need > caches.capacity:
+        caches.grow(capacity_for(need, model.max_context))
+        backend.forget_bindings()
+    short = {c.slot: c for c in group if len(c.tokens) <= MAX_BATCHED_TOKENS}
+    for c in group:
+        if c.slot not in short:
+            c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep)
+    if short:
+        rows = backend.forward_slots(caches, min(short), {s: c.tokens for s, c in short.items()})
+        for s, c in short.items():
+            c.logits = rows[s][len(c.tokens) - c.keep:]
+    return len(short)
+
+
+class RowBackend:
+    """One sequence's view of a model shared by the session: `forward` on its slot, run
+    when the sequences' calls meet (`_Meeting`)."""
+
+    grows_cache = False  # the meeting grows every slot at once (`_run_group`)
+    features = None
+    keep_features = False
+
+    def __init__(self, model: _Model, slot: int, meeting: _Meeting):
+        self.model, self.slot, self.meeting = model, slot, meeting
+        self.name, self.spec = model.backend.name, model.backend.spec
+
+    @property
+    def run_seconds(self) -> float:
+        return self.model.backend.run_seconds
+
+    def new_cache(self, capacity: int):
+        return self.model.caches.slots[self.slot]
+
+    def forward(self, cache, token_ids, logits_to_keep: int = 1,
+                features: np.ndarray | None = None) -> np.ndarray:
+        if cache is not self.model.caches.slots[self.slot]:
+            raise ValueError("a batched sequence runs on its own cache slot only")
+        return self.meeting.call(_Call(self.model, self.slot, list(token_ids), logits_to_keep))
+
+
+class BatchSession:
+    """Up to `max_batch` generations at once on a Generator's models (module docstring):
+    `run` is one of them, on the caller's thread. The session uses the generator's models
+    while it exists: single generations on the same Generator must not run meanwhile."""
+
+    def __init__(self, generator: Generator, max_batch: int = 4,
+                 on_call: Callable[[int], None] | None = None):
+        """`on_call(rows)`: told the rows of each batched call of the target."""
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.models = []
+        for backend in (generator.target, generator.draft):
+            if backend is None:
+                continue
+            if not isinstance(backend, OrtCpuBackend):
+                raise ValueError(f"batched decoding runs on backend 'ort-cpu' only, not "
+                                 f"{backend.name!r}")
+            check_batch_rows(backend.spec)
+            s = backend.spec
+            self.models.append(_Model(backend, SlotCaches(
+                s.num_layers, s.num_kv_heads, s.head_dim, min(CAPACITY_STEP, s.max_context),
+                max_batch), s.max_context))
+        self.generator, self.max_batch = generator, max_batch
+        self.meeting = _Meeting(on_call=on_call, target=self.models[0])
+        self._free = list(range(max_batch))
+        self._lock = threading.Lock()
+        # auto K of batched steps learns their own costs, apart from single generations'.
+        self.histories = Histories()
+
+    @property
+    def running(self) -> int:
+        return self.max_batch - len(self._free)
+
+    def run(self, prompt_ids: list[int], config: GenerationConfig,
+            cancel: threading.Event | None = None
+            ) -> PieceGenerator[str, None, GenerationResult]:
+        """One generation's text pieces, as `Generator.stream` yields them, with the others
+        running; returns its GenerationResult (StopIteration.value). BatchFull when every
+        slot is taken."""
+        with self._lock:
+            if not self._free:
+                raise BatchFull(f"all {self.max_batch} sequences of the batch are running")
+            slot = self._free.pop(0)  # the lowest: calls span fewer idle slots
+        self.meeting.join()
+        try:
+            rows = [RowBackend(m, slot, self.meeting) for m in self.models]
+            drafter = ModelDrafter(rows[1]) if len(rows) > 1 else None
+            row = RowModels(rows[0], drafter, rows[0].new_cache(0), self.histories)
+            return (yield from self.generator._run(list(prompt_ids), config, cancel, row))
+        finally:
+            self.meeting.leave()
+            with self._lock:
+                self._free.append(slot)
+                self._free.sort()
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One sequence of a batch: a prompt as `Generator.generate` takes it (exactly one of
+    prompt, prompt_ids, messages) and its settings."""
+
+    prompt: str | None = None
+    prompt_ids: Sequence[int] | None = None
+    messages: Sequence[dict[str, str]] | None = None
+    raw: bool = False
+    config: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+class BatchGenerator:
+    """Generations of several prompts at once (a BatchSession over the call):
+    `generate(requests)` returns each request's GenerationResult, in order, as
+    `Generator.generate` returns it alone: the same tokens when greedy (where the module
+    docstring says), the same distribution when sampled. It holds the Generator while it
+    runs, so single generations wait for it, and it for them."""
+
+    def __init__(self, generator: Generator, max_batch: int = 4):
+        self.session = BatchSession(generator, max_batch)
+        self.generator = generator
+
+    def generate(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        gen, session = self.generator, self.session
+        if len(requests) > session.max_batch:
+            raise ValueError(f"{len(requests)} requests exceed max_batch={session.max_batch}")
+        prompts = [gen.encode_prompt(r.prompt, r.prompt_ids, r.messages, r.raw)
+                   for r in requests]
+        for ids, r in zip(prompts, requests):
+            limit = context_limit(gen.bundle, r.config)
+            if len(ids) + r.config.max_new_tokens > limit:
+                raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                                 f"({r.config.max_new_tokens}) exceeds the bundle's context "
+                                 f"of {limit} tokens")
+        results: list[GenerationResult | BaseException | None] = [None] * len(requests)
+
+        def run(i: int) -> None:
+            pieces = session.run(prompts[i], requests[i].config)
+            try:
+                while True:
+                    next(pieces)
+            except StopIteration as done:
+                results[i] = done.value
+            except BaseException as e:  # raised on the caller's thread below
+                results[i] = e
+
+        with gen._lock:
+            threads = [threading.Thread(target=run, args=(i,), name=f"specedge-batch-{i}")
+                       for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results

@@ -1,0 +1,127 @@
+"""`specedge serve --max-batch N` through the real server: requests that run at the same
+time share model calls (continuous batching), join and leave between steps, and each
+answer is the one the Generator gives alone; a request cancelled in the middle of a batch
+ends alone; /metrics counts the rows of each batched call."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_process import run_server
+
+from specedge.export.bundle_writer import export_bundle
+from specedge.runtime import Generator
+
+PROMPTS = ["the cat sat on the mat", "once upon a time", "why?", "one, two, three",
+           "a b a b a b", "hello"]
+
+
+@pytest.fixture(scope="module")
+def portable_bundle(tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch-serve") / "tiny-portable"
+    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="portable")
+    return out
+
+
+@pytest.fixture(scope="module")
+def gen(portable_bundle):
+    return Generator.from_bundle(portable_bundle, threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(portable_bundle, tmp_path_factory):
+    with run_server(portable_bundle, tmp_path_factory.mktemp("serve-batch"), "--max-batch",
+                    "3", "--max-queue", "16", "--model-name", "tiny") as server:
+        yield server
+
+
+def _batch_rows(server) -> tuple[float, float]:
+    """(batched target calls, those that carried more than one row) from /metrics."""
+    text = httpx.get(server.url + "/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("specedge_batch_rows_")}
+    calls = values["specedge_batch_rows_count"]
+    return calls, calls - values['specedge_batch_rows_bucket{le="1.0"}']
+
+
+def test_concurrent_requests_share_calls_and_get_their_own_answers(server, gen):
+    """12 requests from 6 clients at once (prompts, lengths and drafters differ, some
+    streamed), 3 generated at a time: every answer equals the Generator's greedy answer
+    alone, and many batched calls carried several rows (how many depends on how the
+    clients' requests overlap)."""
+    calls0, shared0 = _batch_rows(server)
+    settings = [{"enabled": False}, {"drafter": "model", "draft_tokens": 2},
+                {"drafter": "prompt-lookup", "draft_tokens": 3}]
+    requests = [(PROMPTS[i % 6], 30 + 3 * i, settings[i % 3], i % 2 == 0) for i in range(12)]
+
+    def ask(request):
+        prompt, n, speculative, stream = request
+        client = server.client()
+        if not stream:
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                             temperature=0,
+                                             extra_body={"speculative": speculative}
+                                             ).choices[0].text
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                           temperature=0, stream=True,
+                                           extra_body={"speculative": speculative})
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(ask, requests))
+    for (prompt, n, _, _), text in zip(requests, answers):
+        assert text == gen.generate(prompt, raw=True, max_new_tokens=n, use_draft=False).text
+    calls, shared = _batch_rows(server)
+    assert calls > calls0 and shared - shared0 >= 20
+
+
+def test_a_request_cancelled_mid_batch_ends_alone(server, gen):
+    """A streamed request whose client goes away after a few chunks is cancelled at the
+    next step; the two requests in the batch with it finish with their whole answers, and
+    the server takes the next request."""
+    long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "stream": True, "speculative": {"enabled": False}}
+    results = {}
+
+    def whole(name, prompt, n):
+        results[name] = server.client().completions.create(
+            model="tiny", prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+
+    companions = [threading.Thread(target=whole, args=(i, PROMPTS[i], 60)) for i in (1, 2)]
+    with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=30) as r:
+        lines = r.iter_lines()
+        for t in companions:
+            t.start()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen == 5:
+                break
+    for t in companions:
+        t.join(60)
+    for i in (1, 2):
+        assert results[i] == gen.generate(PROMPTS[i], raw=True, max_new_tokens=60,
+                                          use_draft=False).text
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health").json().get("running", 0) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").json()["running"] == 0
+    after = server.client().completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=8,
+                                               temperature=0)
+    assert after.choices[0].text == gen.generate(PROMPTS[3], raw=True, max_new_tokens=8).text
+
+
+def test_max_batch_refuses_a_bundle_that_cannot_batch(tiny_fused_bundle, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specedge.cli", "serve", "--bundle",
+                          str(tiny_fused_bundle), "--max-batch", "2", "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--attention portable" in out.stderr
