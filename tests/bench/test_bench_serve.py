@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
 
 import bench_serve  # noqa: E402
 from bench_serve import (  # noqa: E402
+    BATCH_PLAIN,
+    BATCH_SPEC,
     IN_PLAIN,
     IN_SPEC,
     PLAIN,
@@ -29,7 +31,7 @@ from bench_serve import (  # noqa: E402
 TOP_FIELDS = {"machine", "date", "git_commit", "command", "bundle", "precision", "threads",
               "rounds", "concurrency", "prompts", "prompt_indices", "prompt_categories",
               "max_tokens", "greedy", "stream", "systems", "ratios", "llama_cpp",
-              "prompt_tokens_first", "load_average"}
+              "prompt_tokens_first", "load_average", "max_batch"}
 
 
 def test_answer_timings():
@@ -61,6 +63,7 @@ def test_script_on_the_tiny_bundle(tiny_bundle, tmp_path, capsys):
     printed = capsys.readouterr().out
 
     assert set(results) == TOP_FIELDS
+    assert results["max_batch"] == 0  # no batching server unless asked
     assert results["machine"]["cpu"] and results["machine"]["cores"] >= 1
     assert datetime.datetime.fromisoformat(results["date"]).tzinfo is not None
     assert "--no-llama-cpp" in results["command"]
@@ -114,8 +117,10 @@ def test_a_bad_bundle_folder_is_refused(tmp_path, capsys):
 def test_quick_mode_settings(monkeypatch, tmp_path):
     seen = {}
 
-    def measure(bundle, gguf, threads, rounds, concurrency, prompts, max_tokens, cache, llama):
-        seen.update(rounds=rounds, concurrency=concurrency, prompts=len(prompts))
+    def measure(bundle, gguf, threads, rounds, concurrency, prompts, max_tokens, cache, llama,
+                max_batch):
+        seen.update(rounds=rounds, concurrency=concurrency, prompts=len(prompts),
+                    max_batch=max_batch)
         return {"systems": {}, "ratios": [], "llama_cpp": {"skipped": "test"},
                 "prompt_tokens_first": {}}
 
@@ -124,4 +129,30 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
     bundle.mkdir()
     (bundle / "manifest.json").write_text("{}")
     main(["--bundle", str(bundle), "--quick", "--out", str(tmp_path / "q.json")])
-    assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4}
+    assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4, "max_batch": 0}
+
+
+def test_batch_mode_adds_a_batching_server(tiny_checkpoints, tmp_path, capsys):
+    """--max-batch 2 starts a second `specedge serve --max-batch 2` on the same portable
+    bundle and reports it beside the one-sequence-at-a-time server, with the ratios."""
+    from specedge.export.bundle_writer import export_bundle
+
+    bundle = tmp_path / "portable"
+    export_bundle(str(tiny_checkpoints["llama"]), bundle, draft_layers=1, attention="portable")
+    out = tmp_path / "batch.json"
+    main(["--bundle", str(bundle), "--no-llama-cpp", "--rounds", "1", "--concurrency", "1",
+          "2", "--prompts", "2", "--max-tokens", "6", "--threads", "1", "--max-batch", "2",
+          "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["max_batch"] == 2
+    systems = results["systems"]
+    assert {BATCH_SPEC, BATCH_PLAIN} <= set(systems)
+    for name in (BATCH_SPEC, BATCH_PLAIN):
+        assert set(systems[name]) == {"1", "2"}
+        for row in systems[name].values():
+            assert row["errors"] == 0, row.get("first_error")
+            assert row["tokens_per_second"] > 0
+    quoted = {(r["ratio"], r["concurrency"]) for r in results["ratios"]}
+    assert {(f"{BATCH_SPEC} / {SPEC} tok/s", 2), (f"{BATCH_PLAIN} / {PLAIN} tok/s", 2),
+            (f"{BATCH_SPEC} / {SPEC} at 1 ITL p99", 2)} <= quoted
+    assert f"| {BATCH_SPEC} | 2 |" in capsys.readouterr().out

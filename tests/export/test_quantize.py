@@ -315,17 +315,19 @@ def test_block_offset_split_keeps_the_function(tiny_bundle, tmp_path):
     logits."""
     import onnxruntime as ort
 
-    from specedge.export.quantize import _centre_blocks
+    from specedge.export.quantize import _activation_ranks, _centre_blocks, _rank
     from specedge.runtime.bundle import graph_io, load_bundle
 
     spec = load_bundle(tiny_bundle).target
     model = onnx.load(str(spec.path))
     weights = {i.name: i for i in model.graph.initializer}
+    ranks = _activation_ranks(model)
     nodes = []
     for node in list(model.graph.node):
         nodes.append(node)
         if node.op_type == "MatMul" and node.input[1] in weights:
-            nodes += _centre_blocks(model.graph, node, weights[node.input[1]])
+            nodes += _centre_blocks(model.graph, node, weights[node.input[1]],
+                                    rank=_rank(ranks, node))
     assert len(nodes) > len(model.graph.node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
