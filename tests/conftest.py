@@ -54,6 +54,15 @@ def own_tiny_bundle(tiny_bundle, tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_portable_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+    """The tiny Llama with a 1-layer draft on the portable attention layout ("bhsd-fixed"),
+    the one batched decoding takes (several rows of several tokens a call)."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny-portable"
+    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="portable")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_fused_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
     """`tiny_bundle` on GroupQueryAttention (head size 16): KV layout "bhsd-inplace"."""
     out = tmp_path_factory.mktemp("bundles") / "tiny-fused"

@@ -132,17 +132,13 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
     assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4, "max_batch": 0}
 
 
-def test_batch_mode_adds_a_batching_server(tiny_checkpoints, tmp_path, capsys):
+def test_batch_mode_adds_a_batching_server(tiny_portable_bundle, tmp_path, capsys):
     """--max-batch 2 starts a second `specedge serve --max-batch 2` on the same portable
     bundle and reports it beside the one-sequence-at-a-time server, with the ratios."""
-    from specedge.export.bundle_writer import export_bundle
-
-    bundle = tmp_path / "portable"
-    export_bundle(str(tiny_checkpoints["llama"]), bundle, draft_layers=1, attention="portable")
     out = tmp_path / "batch.json"
-    main(["--bundle", str(bundle), "--no-llama-cpp", "--rounds", "1", "--concurrency", "1",
-          "2", "--prompts", "2", "--max-tokens", "6", "--threads", "1", "--max-batch", "2",
-          "--out", str(out)])
+    main(["--bundle", str(tiny_portable_bundle), "--no-llama-cpp", "--rounds", "1",
+          "--concurrency", "1", "2", "--prompts", "2", "--max-tokens", "6", "--threads", "1",
+          "--max-batch", "2", "--out", str(out)])
     results = json.loads(out.read_text())
     assert results["max_batch"] == 2
     systems = results["systems"]

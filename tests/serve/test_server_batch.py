@@ -13,7 +13,6 @@ import httpx
 import pytest
 from server_process import run_server
 
-from specedge.export.bundle_writer import export_bundle
 from specedge.runtime import Generator
 
 PROMPTS = ["the cat sat on the mat", "once upon a time", "why?", "one, two, three",
@@ -21,20 +20,13 @@ PROMPTS = ["the cat sat on the mat", "once upon a time", "why?", "one, two, thre
 
 
 @pytest.fixture(scope="module")
-def portable_bundle(tiny_checkpoints, tmp_path_factory):
-    out = tmp_path_factory.mktemp("batch-serve") / "tiny-portable"
-    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="portable")
-    return out
+def gen(tiny_portable_bundle):
+    return Generator.from_bundle(tiny_portable_bundle, threads=1)
 
 
 @pytest.fixture(scope="module")
-def gen(portable_bundle):
-    return Generator.from_bundle(portable_bundle, threads=1)
-
-
-@pytest.fixture(scope="module")
-def server(portable_bundle, tmp_path_factory):
-    with run_server(portable_bundle, tmp_path_factory.mktemp("serve-batch"), "--max-batch",
+def server(tiny_portable_bundle, tmp_path_factory):
+    with run_server(tiny_portable_bundle, tmp_path_factory.mktemp("serve-batch"), "--max-batch",
                     "3", "--max-queue", "16", "--model-name", "tiny") as server:
         yield server
 
