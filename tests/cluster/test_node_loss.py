@@ -76,6 +76,7 @@ def test_losing_a_node_ends_only_its_streams_and_with_an_error(ray_cluster, slow
         kept = next(o for o in outs if o["node"] == head_id)
 
         assert lost["events"][-1] == "[DONE]", lost["events"][-3:]
+        assert "error" in lost["events"][-2], lost["events"][-3:]
         error = lost["events"][-2]["error"]
         assert error["code"] == "replica_failed", error
         assert not any(isinstance(e, dict) and e.get("choices")
