@@ -32,7 +32,7 @@ from specedge.export.drafts.truncated import (
     tokenizer_size,
     truncated_draft,
 )
-from specedge.export.graph.families import fused_attention, model_dims_of
+from specedge.export.graph.families import attention_form, model_dims_of
 from specedge.export.graph.trace import GRAPH_REVISION, OPSET, export_onnx
 from specedge.export.model_entry import model_entry
 from specedge.export.onnx_files import graph_files
@@ -142,8 +142,9 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     `verify`, a graph that disagrees with transformers is an ExportError that says by how
     much (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
     quantizes both graphs and records the quantized target's agreement with fp32.
-    `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "portable", or "auto"
-    (fused for int8 and int4 Llama-family graphs). `draft_head_tokens`: how many tokens a
+    `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "batched" (ONNX's
+    Attention, in place: ONNX Runtime CPU, batched decoding), "portable", or "auto" (fused
+    for int8 and int4 graphs where the model allows it). `draft_head_tokens`: how many tokens a
     truncated or checkpoint draft's head scores, an integer, "all", or "auto"/None
     (drafts/truncated.py `draft_head_size`). `int4_grid`: how int4 holds a weight
     (export/quantize.py `INT4_GRIDS`); `int4_block` and `int4_head_bits`: its block and the
@@ -324,16 +325,17 @@ def _export_graphs(run: ExportRun, settings: ExportSettings, models: _Models) ->
     share_head = settings.precision in ("fp32", "fp16")
     with run.step("export target graph"):
         export_onnx(models.target, graphs.fp32["target"], share_head=share_head,
-                    features=models.reader, fused=_fused(settings, models.target))
+                    features=models.reader,
+                    attention=_attention(settings, models.target))
     with run.step("export draft graph"):
         if models.draft is not None:
             export_onnx(models.draft, graphs.fp32["draft"], share_head=share_head,
-                        fused=_fused(settings, models.draft))
+                        attention=_attention(settings, models.draft))
     return graphs
 
 
-def _fused(settings: ExportSettings, model: nn.Module) -> bool:
-    return fused_attention(settings.attention, settings.precision, model.config)
+def _attention(settings: ExportSettings, model: nn.Module) -> str:
+    return attention_form(settings.attention, settings.precision, model.config)
 
 
 def _verify_graphs(run: ExportRun, models: _Models, graphs: _Graphs, prompt: list[int]) -> dict:

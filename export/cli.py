@@ -58,10 +58,13 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int4-head-bits", type=int, choices=(8, 4), default=8,
                    help="int4 only: bits of the LM head's weights (default 8, as llama.cpp "
                    "keeps its output tensor; 4 runs faster and approximates more)")
-    p.add_argument("--attention", choices=("auto", "fused", "portable"), default="auto",
+    p.add_argument("--attention", choices=("auto", "fused", "batched", "portable"), default="auto",
                    help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
                    "cache in place and reads only its valid rows (ort-cpu only; head size a "
-                   "multiple of 8); portable: standard ONNX operators, for every backend; auto "
+                   "multiple of 8); batched: ONNX's Attention with the cache written in "
+                   "place, for batched decoding (serve --max-batch) at every precision "
+                   "(ort-cpu only; no sliding windows; a one-sequence step a little slower "
+                   "than fused); portable: standard ONNX operators, for every backend; auto "
                    "(default): fused for int8/int4 where the model allows it, else "
                    "portable")
     p.add_argument("--verify", action="store_true",
@@ -175,9 +178,9 @@ def _tensorrt_preflight(args: argparse.Namespace) -> str:
         raise ValueError(f"--backend tensorrt needs --precision fp32 or fp16, got "
                          f"{args.precision}: int8/int4 graphs use MatMulNBits, an ONNX Runtime "
                          "operator TensorRT cannot parse")
-    if args.attention == "fused":
-        raise ValueError("--backend tensorrt needs --attention portable or auto: fused "
-                         "attention is an ONNX Runtime operator TensorRT cannot parse")
+    if args.attention in ("fused", "batched"):
+        raise ValueError(f"--backend tensorrt needs --attention portable or auto: "
+                         f"{args.attention} attention runs on ONNX Runtime only")
     from specedge.export.tensorrt.build import preflight
     from specedge.export.tensorrt.plan import strongly_typed
 

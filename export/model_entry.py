@@ -11,7 +11,7 @@ import onnx
 from specedge.export.graph.families import model_dims_of
 from specedge.export.node_counts import optimized_node_counts
 from specedge.export.onnx_files import data_file, load_graph
-from specedge.export.verify import graph_features, graph_kv_layout
+from specedge.export.verify import graph_attention, graph_features, graph_kv_layout
 from specedge.runtime.bundle import (
     FEATURES_IN,
     FEATURES_KEEP,
@@ -62,7 +62,8 @@ def model_entry(config, path: Path, max_context: int | None, precision: str) -> 
         dims["max_context"] = min(dims["max_context"], max_context)
     entry = {"file": path.name, "architecture": config.model_type, **dims,
              "dtype": "float32", "precision": precision, "kv_layout": kv_layout,
-             "file_size": path.stat().st_size, "inputs": inputs, "outputs": outputs}
+             "attention": graph_attention(graph), "file_size": path.stat().st_size,
+             "inputs": inputs, "outputs": outputs}
     if data_file(path).is_file():  # a graph over 2 GB keeps its weights beside it
         entry |= {"data_file": data_file(path).name,
                   "data_file_size": data_file(path).stat().st_size}

@@ -13,7 +13,7 @@ from specedge.export.drafts.truncated import (
     check_same_vocabulary,
     draft_head_size,
 )
-from specedge.export.graph.families import SUPPORTED_ARCHITECTURES, fused_attention
+from specedge.export.graph.families import SUPPORTED_ARCHITECTURES, attention_form
 from specedge.export.settings import ExportSettings
 from specedge.export.sources import resolve_checkpoint
 from specedge.runtime.bundle import MANIFEST
@@ -41,7 +41,7 @@ def preflight(settings: ExportSettings) -> ExportPlan:
         raise ValueError(f"architecture {target_config.model_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     # Raises if the target cannot have the attention asked for.
-    fused_attention(settings.attention, settings.precision, target_config)
+    attention_form(settings.attention, settings.precision, target_config)
     if settings.draft_layers is not None:
         check_draft_layers(target_config, settings.draft_layers)
     head_tokens = _head_tokens(settings, target_config.vocab_size)

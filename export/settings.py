@@ -47,7 +47,7 @@ class ExportSettings:
     `max_context`: a cap on the context recorded in the bundle. `precision`: the weights of
     both graphs. `int4_grid`: how int4 holds a weight (export/quantize.py `INT4_GRIDS`),
     `int4_block` weights a block and `int4_head_bits` the LM head's bits at int4.
-    `attention`: "fused", "portable" or "auto". `verify`: compare the graphs with
+    `attention`: "fused", "batched", "portable" or "auto". `verify`: compare the graphs with
     transformers. `force`: export even when `out` is up to date.
     """
 

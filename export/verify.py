@@ -40,10 +40,17 @@ def graph_features(graph: onnx.GraphProto) -> tuple[int, bool, bool]:
     return width, FEATURES_IN in names, FEATURES_KEEP in names
 
 
+def graph_attention(graph: onnx.GraphProto) -> str:
+    """The graph's attention form (graph/attention.py): "fused" on GroupQueryAttention,
+    "batched" on TensorScatter and Attention, else "portable"."""
+    ops = {n.op_type for n in graph.node}
+    return ("fused" if "GroupQueryAttention" in ops else
+            "batched" if "TensorScatter" in ops else "portable")
+
+
 def graph_kv_layout(graph: onnx.GraphProto) -> str:
-    """The graph's KV layout: in place when its attention is GroupQueryAttention."""
-    fused = any(n.op_type == "GroupQueryAttention" for n in graph.node)
-    return KV_LAYOUT_IN_PLACE if fused else KV_LAYOUT
+    """The graph's KV layout: in place when its attention writes the cache (fused, batched)."""
+    return KV_LAYOUT if graph_attention(graph) == "portable" else KV_LAYOUT_IN_PLACE
 
 
 def graph_backend(path: Path, dims: dict) -> OrtCpuBackend:

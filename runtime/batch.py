@@ -13,7 +13,9 @@ free slot when it starts (`run`) and gives it back when it ends, so sequences jo
 leave between steps (continuous batching). A sequence's thread blocks in its model's
 `forward` until every running sequence waits on a call; the last one to arrive runs each
 model's waiting calls (`_Meeting`): the short ones as one call, a prompt (more than
-MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others. The threads
+MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others; on a
+batched graph a prompt comes in chunks of PREFILL_CHUNK tokens, one a meeting, so that the
+others' steps do not wait for all of it. The threads
 only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
@@ -22,12 +24,15 @@ greedy output equals the sequence's plain decoding alone wherever the single-seq
 loop's does across T (fp32; docs/design.md, "Batch invariance of quantized graphs"), and
 sampled output follows the target's distribution, each sequence drawing from its own
 seeded generator. Graphs on GroupQueryAttention cannot take several rows of several
-tokens (runtime/bundle.py): batching needs a bundle exported with --attention portable.
+tokens (runtime/bundle.py): batching needs a bundle exported with --attention batched
+(in place, and a row computed alike in every call of two tokens or more, so that int8 and
+int4 stay exact too) or portable.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from collections.abc import Generator as PieceGenerator
 from dataclasses import dataclass, field
@@ -35,14 +40,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend, check_batch_rows
+from specedge.runtime.bundle import KV_LAYOUT_IN_PLACE
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import ModelDrafter
-from specedge.runtime.drafting.auto_k import Histories
+from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import CAPACITY_STEP, SlotCaches, capacity_for
 
 # A call of more tokens than this is a prompt: it runs on its own row, not padding others.
 MAX_BATCHED_TOKENS = 16
+# A prompt on a batched graph runs in chunks of this many tokens, one chunk a meeting, so
+# that the other sequences' steps wait for a chunk, not for the whole prompt.
+PREFILL_CHUNK = 32
 
 
 class BatchFull(Exception):
@@ -61,11 +70,14 @@ class _Call:
 
 @dataclass
 class _Model:
-    """One model of the session: its backend and the slots of its caches."""
+    """One model of the session: its backend and the slots of its caches; `chunked`: its
+    prompts run in chunks (`prefill_chunks`), where that computes what one call does (a
+    batched graph)."""
 
     backend: OrtCpuBackend
     caches: SlotCaches
     max_context: int
+    chunked: bool = False
 
 
 @dataclass
@@ -76,6 +88,7 @@ class _Meeting:
     waiting: list[_Call] = field(default_factory=list)
     on_call: Callable[[int], None] | None = None
     target: _Model | None = None
+    costs: BatchCosts | None = None  # told each batched call's rows, tokens and seconds
     done: threading.Condition = field(default_factory=threading.Condition)
 
     def join(self) -> None:
@@ -113,7 +126,9 @@ class _Meeting:
         for model in {id(c.model): c.model for c in calls}.values():
             group = [c for c in calls if c.model is model]
             try:
-                rows = _run_group(model, group)
+                cost = None if self.costs is None else (
+                    self.costs.target if model is self.target else self.costs.draft)
+                rows = _run_group(model, group, cost)
                 if model is self.target and self.on_call and rows:
                     self.on_call(rows)
             except BaseException as e:  # every waiting sequence learns of it
@@ -123,21 +138,36 @@ class _Meeting:
         self.done.notify_all()
 
 
-def _run_group(model: _Model, group: list[_Call]) -> int:
+def _alone(model: _Model, call: _Call) -> bool:
+    """Whether a call runs on its own row: a prompt, or, on an in-place target, a one-token
+    step at the context's last position, which `OrtCpuBackend.forward` runs as one row
+    (there is no position for a second), as a single generation's step there is run."""
+    if len(call.tokens) > MAX_BATCHED_TOKENS:
+        return True
+    length = model.caches.slots[call.slot].length
+    return (len(call.tokens) == 1 and model.backend.one_token_as_two
+            and model.caches.spare > 0 and length + 2 > model.max_context)
+
+
+def _run_group(model: _Model, group: list[_Call], cost: LinearCost | None = None) -> int:
     """One model's waiting calls: the short ones in one call, prompts one by one; the
     slots' capacity raised first where a call needs more rows. Returns the rows of the
-    batched call (0: none)."""
+    batched call (0: none); `cost` is told its size in token-rows and its seconds."""
     caches, backend = model.caches, model.backend
     need = max(caches.slots[c.slot].length + len(c.tokens) for c in group)
     if need > caches.capacity:
         caches.grow(capacity_for(need, model.max_context))
         backend.forget_bindings()
-    short = {c.slot: c for c in group if len(c.tokens) <= MAX_BATCHED_TOKENS}
+    short = {c.slot: c for c in group if not _alone(model, c)}
     for c in group:
         if c.slot not in short:
             c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep)
     if short:
+        start = time.perf_counter()
         rows = backend.forward_slots(caches, min(short), {s: c.tokens for s, c in short.items()})
+        if cost is not None:
+            t = max(len(c.tokens) for c in short.values())
+            cost.observe(len(short) * t, time.perf_counter() - start)
         for s, c in short.items():
             c.logits = rows[s][len(c.tokens) - c.keep:]
     return len(short)
@@ -166,7 +196,28 @@ class RowBackend:
                 features: np.ndarray | None = None) -> np.ndarray:
         if cache is not self.model.caches.slots[self.slot]:
             raise ValueError("a batched sequence runs on its own cache slot only")
-        return self.meeting.call(_Call(self.model, self.slot, list(token_ids), logits_to_keep))
+        tokens = list(token_ids)
+        for chunk in prefill_chunks(len(tokens), logits_to_keep, self.model.chunked)[:-1]:
+            self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1))
+            tokens = tokens[chunk:]
+        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep))
+
+
+def prefill_chunks(n: int, logits_to_keep: int, chunked: bool) -> list[int]:
+    """The sizes of the calls that run n tokens: PREFILL_CHUNK each, the last one from
+    PREFILL_CHUNK / 2 + 1 to PREFILL_CHUNK + PREFILL_CHUNK / 2 tokens (a batched graph
+    computes a row alike in every call of two tokens or more, and a one-token call would
+    take another path; the last keeps the logits asked for), or [n] when not `chunked`
+    or short."""
+    if not chunked or n <= PREFILL_CHUNK + PREFILL_CHUNK // 2 or logits_to_keep > PREFILL_CHUNK:
+        return [n]
+    sizes = [PREFILL_CHUNK] * (n // PREFILL_CHUNK)
+    rest = n - sum(sizes)
+    if rest > PREFILL_CHUNK // 2:
+        sizes.append(rest)
+    else:
+        sizes[-1] += rest
+    return sizes
 
 
 class BatchSession:
@@ -188,15 +239,21 @@ class BatchSession:
                                  f"{backend.name!r}")
             check_batch_rows(backend.spec)
             s = backend.spec
+            # An in-place graph writes every row of a call, a short row's padding and the
+            # rows of a slot in the call's range that has no call too, past the slot's
+            # counted rows: spare rows past the capacity take them, even at a full context.
+            spare = MAX_BATCHED_TOKENS if s.kv_layout == KV_LAYOUT_IN_PLACE else 0
             self.models.append(_Model(backend, SlotCaches(
                 s.num_layers, s.num_kv_heads, s.head_dim, min(CAPACITY_STEP, s.max_context),
-                max_batch), s.max_context))
+                max_batch, spare), s.max_context, chunked=s.attention == "batched"))
         self.generator, self.max_batch = generator, max_batch
-        self.meeting = _Meeting(on_call=on_call, target=self.models[0])
+        # Auto K in the session prices a K with the batch's call costs at its current size
+        # (drafting/batch_costs.py), apart from single generations' measurements.
+        self.costs = BatchCosts()
+        self.histories = BatchHistories(self.costs, lambda: max(self.running, 1))
+        self.meeting = _Meeting(on_call=on_call, target=self.models[0], costs=self.costs)
         self._free = list(range(max_batch))
         self._lock = threading.Lock()
-        # auto K of batched steps learns their own costs, apart from single generations'.
-        self.histories = Histories()
 
     @property
     def running(self) -> int:
@@ -219,6 +276,10 @@ class BatchSession:
             row = RowModels(rows[0], drafter, rows[0].new_cache(0), self.histories)
             return (yield from self.generator._run(list(prompt_ids), config, cancel, row))
         finally:
+            # A free slot holds no rows (a call's padding may write there). No call runs
+            # while this sequence, still counted as running, does not wait on one.
+            for model in self.models:
+                model.caches.slots[slot].rollback(0)
             self.meeting.leave()
             with self._lock:
                 self._free.append(slot)

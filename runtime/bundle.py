@@ -24,17 +24,19 @@ Every graph has the same I/O (names follow the Hugging Face / Optimum convention
 B, the rows of one call (format 4, manifest: batch_rows true; B = 1 before): independent
 sequences, each with its own cache slot and past_length, all with T tokens in the call. A
 runtime that calls several rows pads the shorter ones and ignores what the padding
-computes; a graph on GroupQueryAttention (below) takes T > 1 with B = 1 only, which ONNX
-Runtime's CPU kernel requires of calls with a past.
+computes; a graph on GroupQueryAttention (manifest: attention "fused") takes T > 1 with
+B = 1 only, which ONNX Runtime's CPU kernel requires of calls with a past; "portable" and
+"batched" graphs take any B and T.
 
 KV layout "bhsd-fixed": the runtime owns cache buffers of fixed capacity C. The graph reads
 rows [0, past_length) and masks the rest; it returns only the T new rows, which the runtime
 writes at [past_length, past_length + T). Rollback is lowering past_length.
 
-KV layout "bhsd-inplace" (ONNX Runtime CPU only: GroupQueryAttention, export/graph/llama.py): the
-same buffers and rollback, but each present output is its whole cache buffer,
-[1, kv_heads, C, head_dim]. The runtime binds it to the same memory as the past input, and
-the graph writes the T new rows there itself.
+KV layout "bhsd-inplace" (ONNX Runtime CPU only: attention "fused", GroupQueryAttention, or
+"batched", TensorScatter and ONNX's Attention; export/graph/attention.py): the same buffers
+and rollback, but each present output is its whole cache buffer, [B, kv_heads, C,
+head_dim]. The runtime binds it to the same memory as the past input, and the graph writes
+each row's T new rows there itself, at [past_length, past_length + T) of that row.
 
 A bundle with a feature draft (format 2, export/drafts/feature.py) adds, after the above:
 
@@ -71,6 +73,8 @@ MANIFEST = "manifest.json"
 KV_LAYOUT = "bhsd-fixed"
 KV_LAYOUT_IN_PLACE = "bhsd-inplace"
 KV_LAYOUTS = (KV_LAYOUT, KV_LAYOUT_IN_PLACE)
+# The manifest's `attention` (export/graph/attention.py): the form that computes it.
+ATTENTION_FORMS = ("portable", "fused", "batched")
 
 
 def past_key_name(layer: int) -> str:
@@ -119,6 +123,9 @@ class ModelSpec:
     kv_layout: str = KV_LAYOUT
     keeps_features: bool = False  # takes `features_to_keep` (format 3 graphs with features)
     batch_rows: bool = False      # takes B rows a call (format 4)
+    # The attention's form: "portable", "fused" (GroupQueryAttention) or "batched" (ONNX's
+    # Attention, in place); bundles before the field: "fused" for the in-place layout.
+    attention: str = "portable"
 
     def io(self) -> tuple[list[str], list[str]]:
         return graph_io(self.num_layers, self.reads_features, self.features > 0,
@@ -181,8 +188,14 @@ def _model_spec(root: Path, role: str, entry: Any) -> ModelSpec:
     batch_rows = entry.get("batch_rows", False)
     if not isinstance(batch_rows, bool):
         raise _bad(root, f"models.{role}.batch_rows must be true or false, got {batch_rows!r}")
+    attention = entry.get("attention", "portable" if entry["kv_layout"] == KV_LAYOUT
+                          else "fused")
+    if attention not in ATTENTION_FORMS:
+        raise BundleError(f"{root / MANIFEST}: models.{role} has attention {attention!r}; "
+                          f"this runtime reads {', '.join(map(repr, ATTENTION_FORMS))}: "
+                          "upgrade specedge")
     return ModelSpec(path=path, features=features, reads_features=reads, keeps_features=keeps,
-                     batch_rows=batch_rows, **fields)
+                     batch_rows=batch_rows, attention=attention, **fields)
 
 
 def _check_data_file(root: Path, role: str, entry: dict) -> None:

@@ -6,9 +6,13 @@
 # on one by one instead, AVX-512 and its extensions and AVX-VNNI included, so that llama.cpp
 # runs with every instruction set this CPU has, as a user's own build would.
 #
-#   bash scripts/install_llama_cpp.sh [--dry-run]
+#   bash scripts/install_llama_cpp.sh [--dry-run | --server]
 #
-# --dry-run prints the CMake options and builds nothing. The CPU flags are read from
+# --dry-run prints the CMake options and builds nothing. --server builds llama.cpp's own
+# llama-server instead (parallel slots, continuous batching, its speculative modes), from the
+# llama.cpp sources that the same sdist vendors, with the same options, into
+# .venv/llama.cpp/bin/llama-server (about 10 minutes on 2 cores); no Web UI, nothing fetched
+# but the sdist. The CPU flags are read from
 # /proc/cpuinfo, or from the file named by CPUINFO.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +37,30 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     exit 0
 fi
 . .venv/bin/activate
+if [[ "${1:-}" == "--server" ]]; then
+    out=.venv/llama.cpp/bin
+    if [[ -x $out/llama-server ]]; then
+        echo "$out/llama-server is already built; remove it to build it again" >&2
+        exit 0
+    fi
+    work=$(mktemp -d)
+    python -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python>=0.3,<0.4" \
+        -d "$work"
+    tar xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+    src=$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)
+    echo "building llama-server from $src with $args (log: $work/build.log)" >&2
+    # shellcheck disable=SC2086  # $args holds several options
+    cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release $args -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_OPENSSL=OFF > "$work/build.log" 2>&1
+    cmake --build "$work/build" --target llama-server -j "$(nproc)" >> "$work/build.log" 2>&1 ||
+        { tail -30 "$work/build.log" >&2; exit 1; }
+    mkdir -p "$out"
+    cp "$work/build/bin/llama-server" "$out/"
+    "$out/llama-server" --version
+    exit 0
+fi
 if python -c "import llama_cpp" 2>/dev/null; then  # pip would keep it and build nothing
     python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'is already \
 installed, built with:', llama_cpp.llama_print_system_info().decode().strip())"

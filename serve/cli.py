@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specedge.cli_common import (
     add_backend_flag,
@@ -21,9 +22,12 @@ from specedge.cli_common import (
     bad_input_exits_2,
     fail,
 )
-from specedge.runtime.bundle import load_bundle
+from specedge.runtime.bundle import Bundle, load_bundle
 from specedge.runtime.config import check_threads, check_threshold
 from specedge.runtime.errors import SpecEdgeError
+
+if TYPE_CHECKING:
+    from specedge.serve.app import ServerSettings
 
 log = logging.getLogger("specedge.serve")
 
@@ -51,7 +55,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests generated at once, their steps sharing each model call "
                    "(continuous batching); more than 1 needs a bundle exported with "
-                   "--attention portable (default 1: one at a time)")
+                   "--attention batched (exact at every precision) or portable (default 1: "
+                   "one at a time)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -182,6 +187,20 @@ def _cluster(args: argparse.Namespace):
     return settings
 
 
+def check_max_batch(settings: ServerSettings, bundle: Bundle) -> None:
+    """Exit 2, saying what to export, when --max-batch > 1 cannot run on this bundle and
+    backend (locally, and on every cluster replica)."""
+    if settings.max_batch <= 1:
+        return
+    from specedge.runtime.backends.ort_cpu import check_batch_rows
+
+    if settings.backend != "ort-cpu":
+        fail(f"--max-batch {settings.max_batch} runs on backend ort-cpu only")
+    with bad_input_exits_2():
+        for spec in filter(None, (bundle.target, bundle.draft)):
+            check_batch_rows(spec)
+
+
 def run_serve_on_ray(args: argparse.Namespace) -> None:
     """The same app on a Ray Serve cluster (cluster/), until SIGTERM or Ctrl-C."""
     try:
@@ -191,13 +210,11 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
              "pip install 'specedge[serve,ray]'")
     settings = _settings(args)
     cluster = _cluster(args)
-    if settings.max_batch > 1:
-        fail("--max-batch runs on one machine for now: each cluster replica generates one "
-             "request at a time (drop --max-batch, or serve without --ray)")
     try:
-        load_bundle(settings.bundle)
+        bundle = load_bundle(settings.bundle)
     except SpecEdgeError as e:
         fail(str(e))
+    check_max_batch(settings, bundle)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
     stop = threading.Event()
@@ -233,14 +250,7 @@ def run_serve(args: argparse.Namespace) -> None:
         bundle = load_bundle(settings.bundle)  # a bad folder fails here, before the port opens
     except SpecEdgeError as e:
         fail(str(e))
-    if settings.max_batch > 1:
-        from specedge.runtime.backends.ort_cpu import check_batch_rows
-
-        if settings.backend != "ort-cpu":
-            fail(f"--max-batch {settings.max_batch} runs on backend ort-cpu only")
-        with bad_input_exits_2():
-            for spec in filter(None, (bundle.target, bundle.draft)):
-                check_batch_rows(spec)
+    check_max_batch(settings, bundle)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
     if settings.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

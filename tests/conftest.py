@@ -56,9 +56,18 @@ def own_tiny_bundle(tiny_bundle, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_portable_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
     """The tiny Llama with a 1-layer draft on the portable attention layout ("bhsd-fixed"),
-    the one batched decoding takes (several rows of several tokens a call)."""
+    which batched decoding takes too (exact at fp32)."""
     out = tmp_path_factory.mktemp("bundles") / "tiny-portable"
     export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="portable")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_batched_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+    """The tiny Llama with a 1-layer draft on batched attention (KV layout "bhsd-inplace",
+    several rows of several tokens a call): what batched decoding is exported for."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny-batched"
+    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="batched")
     return out
 
 

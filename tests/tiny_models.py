@@ -139,12 +139,12 @@ def save_tiny_more(path: Path, arch: str, layers: int = 2, seed: int = 0,
     return path
 
 
-def export_slow_bundle(root: Path, context: int) -> Path:
+def export_slow_bundle(root: Path, context: int, attention: str = "auto") -> Path:
     """A random Llama wide enough to take a few ms a token on one thread, also on a CPU with
     AVX-512 (4 layers, hidden 256, MLP 4096, `context` positions) with the character
     tokenizer, exported with its first layer as the draft into root/bundle. Its EOS row is
     zeroed so that greedy runs reach max_tokens: the server tests drop, queue, time out and
-    kill requests while it runs."""
+    kill requests while it runs. `attention`: as `specedge export --attention`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specedge.export.bundle_writer import export_bundle
@@ -161,5 +161,5 @@ def export_slow_bundle(root: Path, context: int) -> Path:
     model.generation_config.eos_token_id = EOS
     model.save_pretrained(root / "checkpoint")
     char_tokenizer().save_pretrained(root / "checkpoint")
-    export_bundle(str(root / "checkpoint"), root / "bundle", draft_layers=1)
+    export_bundle(str(root / "checkpoint"), root / "bundle", draft_layers=1, attention=attention)
     return root / "bundle"

@@ -16,6 +16,16 @@ graph's KV layout (runtime/bundle.py):
   one-row and a multi-row call once the runtime pads one-token steps to two rows (docs/
   design.md, "Batch invariance of quantized graphs"), which is what int8/int4 need.
 
+* "bhsd-inplace", `batched` (ONNX Runtime CPU, opset 24): per layer two TensorScatter
+  nodes write each row's new K/V rows into the cache buffers in place, at that row's
+  past_length, and ONNX's own Attention attends over them, causal from each row's end
+  (`nonpad_kv_seqlen` = past_length + T). Unlike GroupQueryAttention's CPU kernel, it
+  takes several rows of several tokens each, which batched decoding's verification calls
+  are (runtime/batch.py); like it, it computes a row alike in every call of two tokens or
+  more and whatever the other rows are. The graph rotates q and k before it (with ONNX
+  Runtime's RotaryEmbedding where GroupQueryAttention would rotate them). It attends
+  over the whole capacity (the padding masked), so its step costs more with the capacity.
+
 Neither repeats K/V heads for grouped-query attention (queries are grouped instead).
 
 Attention over cache + new rows without concatenating them (softmax over the union):
@@ -30,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from specedge.export.graph.reshape import keep_batch, merge_heads, split_heads
-from specedge.export.graph.rotary import partial_rotary_tables, rotate
+from specedge.export.graph.rotary import rotate, rotate_rows
 
 
 def attention_bias(past_length: torch.Tensor, capacity: int | torch.Tensor,
@@ -140,12 +150,7 @@ class GroupQueryAttention(torch.autograd.Function):
         x = split_heads(qkv, heads + 2 * kv_heads, d)
         q, k, v = x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
         if cos is not None:
-            # Tables narrower than half a head rotate the first 2 x width dims only, as
-            # the kernel does (partial rotary: Phi-3, StableLM).
-            halves = (torch.cat([cos, cos], -1)[positions],
-                      torch.cat([sin, sin], -1)[positions])
-            tables = partial_rotary_tables(*halves, 2 * cos.shape[-1], d)
-            q, k = rotate(q, tables), rotate(k, tables)
+            q, k = rotate_rows(q, cos, sin, positions), rotate_rows(k, cos, sin, positions)
         out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
                                cap or None)
         present_k, present_v = past_k.clone(), past_v.clone()
@@ -194,3 +199,67 @@ def gqa_lengths(past_length: torch.Tensor, input_ids: torch.Tensor
     largest past_length + T [], int32, built once per call and shared by every layer."""
     total = past_length + input_ids.shape[1]
     return (total - 1).to(torch.int32), total.max().to(torch.int32)
+
+
+class ScatterAttention(torch.autograd.Function):
+    """One layer's attention on standard ONNX operators of opset 24, the cache written in
+    place: the `batched` form (module docstring).
+
+    Inputs: q [B, H, T, D] and k [B, Hkv, T, D] rotated, v [B, Hkv, T, D], unscaled; the
+    cache buffers [B, Hkv, C, D]; past_length [B] (int64) and past_length + T [B]; `shape`
+    (H, Hkv, D) as Python ints; `scale`; `cap`: Gemma 2's soft-capping of the scores, or 0.
+    Outputs: attention [B, H, T, D] and the two buffers with each row's T new rows at
+    [past_length, past_length + T). The runtime binds each output to its input buffer, so
+    that TensorScatter writes in place (it compares the addresses, as GroupQueryAttention
+    does) instead of copying the buffer.
+
+    `forward` is the same math in torch (`cached_attention` on copies of the buffers): what
+    tracing runs. `symbolic` is the nodes the graph gets; the graph's opset is raised to 24
+    after tracing (graph/trace.py).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, past_length, ends, heads, kv_heads, scale,
+                cap=0.0):
+        t, d = q.shape[2], q.shape[3]
+        bias = attention_bias(past_length, past_k.shape[2], t, heads // kv_heads, q.dtype)
+        out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
+                               cap or None)
+        present_k, present_v = past_k.clone(), past_v.clone()
+        for row, start in enumerate(past_length.tolist()):
+            present_k[row, :, start:start + t] = k[row]
+            present_v[row, :, start:start + t] = v[row]
+        return split_heads(out, heads, d), present_k, present_v
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, past_length, ends, heads, kv_heads, scale,
+                 cap=0.0):
+        present_k = g.op("TensorScatter", past_k, k, past_length, axis_i=2)
+        present_v = g.op("TensorScatter", past_v, v, past_length, axis_i=2)
+        absent = g.op("prim::Constant")  # the omitted optional inputs: mask, past K and V
+        absent.setType(torch._C.OptionalType.ofTensor())
+        extra = {"softcap_f": float(cap)} if cap else {}
+        # One query row more than T, in front (a copy of the first), so that the kernel
+        # never takes its one-query path, whose products are summed otherwise than a row
+        # of a multi-query call: a one-token row then computes what a verification row
+        # does, and a call of one token a row needs no padding once it has two rows
+        # (ort_cpu.py `forward_slots`). Causal from the end, the extra row sees one key
+        # less than the first; its output is dropped.
+        one, axis = (g.op("Constant", value_t=torch.tensor([v])) for v in (1, 2))
+        first = g.op("Slice", q, g.op("Constant", value_t=torch.tensor([0])), one, axis)
+        out = g.op("Attention", g.op("Concat", first, q, axis_i=2), present_k, present_v,
+                   absent, absent, absent, ends, is_causal_i=1, scale_f=scale, **extra)
+        out = g.op("Slice", out, one,
+                   g.op("Constant", value_t=torch.tensor([torch.iinfo(torch.int64).max])),
+                   axis)
+        out.setType(q.type())
+        present_k.setType(past_k.type())
+        present_v.setType(past_v.type())
+        return out, present_k, present_v
+
+
+def scatter_lengths(past_length: torch.Tensor, input_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ScatterAttention's (past_length, past_length + T) [B], int64, built once per call
+    and shared by every layer."""
+    return past_length, past_length + input_ids.shape[1]

@@ -4,7 +4,8 @@ the final norm and the head, with a hook at each place where the families differ
 A family is a subclass that overrides only what differs (one file each in this package).
 The defaults are the Llama layout: pre-norm layers, q|k|v from one projection, rotary
 positions, grouped-query attention, a gated MLP, no sliding windows. Attention takes one of
-the two forms of graph/attention.py: portable, or fused on GroupQueryAttention (`fused`).
+one of the forms of graph/attention.py: portable, fused on GroupQueryAttention, or batched
+on ONNX's Attention (the `attention` form).
 
 The hooks on a layer (`attention_input`, `qkv`, `attention`, `residual`) are static: they
 read all they need from the layer and its config, so that one layer also runs on its own
@@ -21,17 +22,20 @@ from torch import nn
 
 from specedge.export.graph.attention import (
     GroupQueryAttention,
+    ScatterAttention,
     attention_bias,
     cached_attention,
     gqa_lengths,
     pack_qkv,
     portable_attention,
+    scatter_lengths,
 )
 from specedge.export.graph.families import kernel_rotates, model_dims_of
 from specedge.export.graph.outputs import last_positions, lm_head, target_features
 from specedge.export.graph.projections import gated_mlp, qkv_projection
-from specedge.export.graph.reshape import split_heads
+from specedge.export.graph.reshape import merge_heads, split_heads
 from specedge.export.graph.rotary import (
+    RotaryEmbedding,
     call_tables,
     gqa_positions,
     gqa_rotary_cache,
@@ -55,8 +59,9 @@ class PortableInputs:
 
 @dataclass(frozen=True)
 class FusedInputs:
-    """What a layer's GroupQueryAttention reads besides its own q|k|v, built once per call:
-    (seqlens_k, total) (graph/attention.py `gqa_lengths`), the rotary tables (cos, sin) and
+    """What a layer's in-place attention reads besides its own q|k|v, built once per call:
+    (seqlens_k, total) (graph/attention.py `gqa_lengths`; with `batched`, ScatterAttention's
+    `scatter_lengths`), the rotary tables (cos, sin) and
     the rows of them for this call (graph/rotary.py `gqa_rotary_cache`, `gqa_positions`)
     when the kernel rotates, and the layer's sliding window (None: full attention).
     `rotary`: when the graph rotates q and k itself (graph/families.py
@@ -68,6 +73,7 @@ class FusedInputs:
     rows: torch.Tensor | None
     window: int | None = None
     rotary: tuple[torch.Tensor, ...] | None = None
+    batched: bool = False
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
@@ -78,6 +84,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tens
     over the cache, in the layer's form: -> (output [1, T, H D], K, V) as
     `Decoder.attention` returns them. For families that compute q, k and v their own way
     (Gemma, GPT-2); `cap`: soft-capped scores (Gemma 2)."""
+    if isinstance(inputs, FusedInputs) and inputs.batched:
+        out, k_buffer, v_buffer = ScatterAttention.apply(
+            q, k, v, past_k, past_v, *inputs.lengths, shape[0], shape[1], float(scale),
+            float(cap or 0.0))
+        return merge_heads(out, shape[0] * shape[2]), k_buffer, v_buffer
     if isinstance(inputs, FusedInputs):
         return GroupQueryAttention.apply(
             pack_qkv(q, k, v, shape), past_k, past_v, *inputs.lengths, None, None, None,
@@ -99,19 +110,24 @@ class Decoder(nn.Module):
     (export/drafts/feature.py): True for the final norm's output (the vectors the head
     reads), or the feature draft itself, whose `fuse` may mix earlier layers' outputs (its
     `feature_layers`) in: graph/outputs.py `target_features`.
-    `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (graph/attention.py).
+    `attention`: the attention's form (graph/attention.py): "portable", or in place (KV
+    layout "bhsd-inplace") on GroupQueryAttention ("fused") or on ONNX's Attention
+    ("batched").
     """
 
     def __init__(self, model: nn.Module, features: bool | nn.Module = False,
-                 fused: bool = False):
+                 attention: str = "portable"):
         super().__init__()
         self.model = model
         self.features = bool(features)
         self.feature_layers = getattr(features, "feature_layers", ())
         self.fuse = getattr(features, "fuse", None)
-        self.fused = fused
+        self.fused = attention in ("fused", "batched")  # the cache written in place
+        self.batched = attention == "batched"
         # Fused attention: GroupQueryAttention rotates q and k with its own tables, or the
         # graph rotates them before the kernel (FusedInputs.rotary; graph/families.py).
+        # ONNX's Attention has no rotary: ONNX Runtime's RotaryEmbedding rotates them with
+        # the same tables where GroupQueryAttention would, else the graph does.
         self.kernel_rotary = kernel_rotates(model.config)
         # Query heads per KV head.
         self.groups = (model.config.num_attention_heads
@@ -160,14 +176,15 @@ class Decoder(nn.Module):
         """What each layer's attention reads besides its own q, k and v, built once per call
         and shared by the layers."""
         if self.fused and self.kernel_rotary:
-            lengths = gqa_lengths(past_length, input_ids)
+            lengths = (scatter_lengths if self.batched else gqa_lengths)(past_length, input_ids)
             rows = gqa_positions(self.model.model.rotary_emb, self.model.config, position_ids,
                                  past_length)
-            return [FusedInputs(lengths, self.rotary_cache, rows, w) for w in self.windows]
+            return [FusedInputs(lengths, self.rotary_cache, rows, w, None, self.batched)
+                    for w in self.windows]
         rotary = self.rotary(x, position_ids, past_length)
         if self.fused:
-            lengths = gqa_lengths(past_length, input_ids)
-            return [FusedInputs(lengths, None, None, w, tables)
+            lengths = (scatter_lengths if self.batched else gqa_lengths)(past_length, input_ids)
+            return [FusedInputs(lengths, None, None, w, tables, self.batched)
                     for tables, w in zip(rotary, self.windows)]
         # One mask per distinct window, shared by the layers that have it (in layer order,
         # so that the graph is the same on every export).
@@ -263,9 +280,11 @@ class Decoder(nn.Module):
         GroupQueryAttention rotates (or the graph does before it) and scales."""
         attn = layer.self_attn
         shape = heads, kv_heads, d = attention_shape(attn)
-        if isinstance(inputs, FusedInputs) and inputs.rotary_cache is None:
+        if isinstance(inputs, FusedInputs) and (inputs.rotary_cache is None or inputs.batched):
             x = split_heads(cls.qkv(layer, h, 1.0), heads + 2 * kv_heads, d)
-            qk = rotate(x[:, :heads + kv_heads], inputs.rotary)
+            qk = (rotate(x[:, :heads + kv_heads], inputs.rotary) if inputs.rotary_cache is None
+                  else RotaryEmbedding.apply(x[:, :heads + kv_heads], *inputs.rotary_cache,
+                                             inputs.rows, heads + kv_heads))
             return attend(qk[:, :heads], qk[:, heads:], x[:, heads + kv_heads:], past_k, past_v,
                           inputs, shape, attn.scaling)
         if isinstance(inputs, FusedInputs):

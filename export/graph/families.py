@@ -17,15 +17,17 @@ KERNEL_ROTARY_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES
 
 
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY + MORE_FAMILIES + GEMMA_FAMILY
-ATTENTIONS = ("auto", "fused", "portable")  # `specedge export --attention`
+ATTENTIONS = ("auto", "fused", "batched", "portable")  # `specedge export --attention`
 
 
-def fused_attention(attention: str, precision: str, config) -> bool:
-    """Whether a graph gets GroupQueryAttention (KV layout "bhsd-inplace"), for a Hugging
-    Face `config`. `auto` picks it where ONNX Runtime CPU is the only runtime for the graph
-    anyway (int8 and int4: TensorRT cannot parse MatMulNBits) and the model can have it,
-    which is what keeps int8/int4 greedy speculative output equal to plain decoding (docs/
-    design.md, "Batch invariance of quantized graphs"). The CPU kernel needs a head size
+def attention_form(attention: str, precision: str, config) -> str:
+    """The attention form a graph gets, for a Hugging Face `config` (graph/attention.py):
+    "portable", "fused" (GroupQueryAttention, KV layout "bhsd-inplace") or "batched"
+    (ONNX's Attention, in place too; asked for only). `auto` picks fused where ONNX Runtime
+    CPU is the only runtime for the graph anyway (int8 and int4: TensorRT cannot parse
+    MatMulNBits) and the model can have it, which is what keeps int8/int4 greedy
+    speculative output equal to plain decoding (docs/design.md, "Batch invariance of
+    quantized graphs"). The CPU kernel needs a head size
     that is a multiple of 8; it rotates q and k itself where `kernel_rotates`, and the graph
     rotates them before it otherwise."""
     if attention not in ATTENTIONS:
@@ -36,8 +38,15 @@ def fused_attention(attention: str, precision: str, config) -> bool:
         raise ValueError(f"--attention fused needs a head size that is a multiple of 8 "
                          f"(ONNX Runtime's GroupQueryAttention), not {head} "
                          f"({config.model_type!r}): export it with --attention portable")
-    return attention == "fused" or (attention == "auto" and head % 8 == 0
-                                    and precision in ("int8", "int4"))
+    windowed = config.model_type in GEMMA_FAMILY or any(layer_windows(config))
+    if attention == "batched" and windowed:
+        raise ValueError(f"--attention batched has no sliding windows, which "
+                         f"{config.model_type!r} uses: export it with --attention portable "
+                         f"for batched decoding")
+    if attention in ("fused", "batched"):
+        return attention
+    fused = attention == "auto" and head % 8 == 0 and precision in ("int8", "int4")
+    return "fused" if fused else "portable"
 
 
 def kernel_rotates(config) -> bool:

@@ -137,3 +137,31 @@ def gqa_positions(rotary_emb: nn.Module, config, position_ids: torch.Tensor,
         return position_ids
     offset = model_dims_of(config)["max_context"]
     return position_ids + _long_rows(position_ids, past_length, switch).long() * offset
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+    """x [B, N, T, D] rotated as ONNX Runtime's kernels rotate it from `gqa_rotary_cache`'s
+    tables (cos, sin) [R, W] and the rows of them for each position [B, T] (`gqa_positions`):
+    the first 2 W dims of each head (partial rotary: Phi-3, StableLM), the rest as they are."""
+    halves = (torch.cat([cos, cos], -1)[positions], torch.cat([sin, sin], -1)[positions])
+    return rotate(x, partial_rotary_tables(*halves, 2 * cos.shape[-1], x.shape[-1]))
+
+
+class RotaryEmbedding(torch.autograd.Function):
+    """ONNX Runtime's rotary kernel, com.microsoft RotaryEmbedding, on x [B, N, T, D] with
+    `gqa_rotary_cache`'s tables and `gqa_positions`' rows, N = `heads` (a Python int):
+    one node where `rotate` is several, for the graphs whose attention does not rotate
+    (graph/attention.py, `batched`). `forward` is `rotate_rows`, what tracing runs."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, heads):
+        return rotate_rows(x, cos, sin, positions)
+
+    @staticmethod
+    def symbolic(g, x, cos, sin, positions, heads):
+        width = cos.type().varyingSizes()[1]
+        out = g.op("com.microsoft::RotaryEmbedding", x, positions, cos, sin,
+                   interleaved_i=0, rotary_embedding_dim_i=2 * width, num_heads_i=heads)
+        out.setType(x.type())
+        return out

@@ -19,7 +19,7 @@ from specedge.export.graph.families import (
     GPT2_FAMILY,
     LLAMA_FAMILY,
     SUPPORTED_ARCHITECTURES,
-    fused_attention,
+    attention_form,
     model_dims,
 )
 from specedge.export.graph.gemma import GemmaDecoder
@@ -33,6 +33,11 @@ from specedge.export.onnx_files import load_array, load_graph, save_graph
 from specedge.runtime.bundle import FEATURES_IN, FEATURES_KEEP, FEATURES_OUT, graph_io
 
 OPSET = 21
+# The opset of a graph with batched attention: TensorScatter and Attention's
+# nonpad_kv_seqlen are opset 24's, past what the TorchScript exporter traces at, so the
+# graph is traced at OPSET and its opset raised afterwards; every other operator it has
+# means the same at 24 (checked by ONNX's checker in `raise_opset`).
+BATCHED_OPSET = 24
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
@@ -46,23 +51,39 @@ DECODERS: dict[str, type[Decoder]] = {
 
 
 def wrap(model: nn.Module, features: bool | nn.Module = False,
-         fused: bool = False) -> nn.Module:
+         attention: str = "portable") -> nn.Module:
     """The export module for a Hugging Face causal LM, or ValueError if unsupported.
 
     `features`: the graph also outputs the target's features for a feature draft (True,
     or the feature draft: LlamaFamilyDecoder).
-    `fused`: attention on ONNX Runtime's GroupQueryAttention (families.py
-    `fused_attention` says which models can have it)."""
+    `attention`: the attention's form, "portable", "fused" or "batched" (families.py
+    `attention_form` says which models can have which)."""
     model_type = model.config.model_type
     if features and model_type not in LLAMA_FAMILY:
         raise ValueError(f"feature drafts need a Llama, Mistral or Qwen2 target, not "
                          f"{model_type!r}")
-    if fused:
-        fused_attention("fused", "", model.config)  # raises for models it cannot have
+    if attention != "portable":
+        attention_form(attention, "", model.config)  # raises for models it cannot have
     if model_type in DECODERS:
-        return DECODERS[model_type](model, features, fused)
+        return DECODERS[model_type](model, features, attention)
     raise ValueError(f"architecture {model_type!r} is not supported; supported: "
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def raise_opset(model: onnx.ModelProto, opset: int) -> None:
+    """Declare the graph's ONNX opset `opset`, in place, and check each of its ONNX nodes
+    against that opset's schemas (inputs, attributes), so that an operator whose signature
+    changed since the traced opset is an error here, not a graph ONNX Runtime refuses."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            entry.version = opset
+    model.ir_version = max(model.ir_version, 10)
+    context = onnx.checker.C.CheckerContext()
+    context.ir_version = model.ir_version
+    context.opset_imports = {entry.domain: entry.version for entry in model.opset_import}
+    for node in model.graph.node:
+        if node.domain in ("", "ai.onnx"):
+            onnx.checker.check_node(node, context)
 
 
 def share_tied_head(model: onnx.ModelProto, folder: Path) -> bool:
@@ -95,7 +116,7 @@ def share_tied_head(model: onnx.ModelProto, folder: Path) -> bool:
 
 
 def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
-                features: bool | nn.Module = False, fused: bool = False) -> None:
+                features: bool | nn.Module = False, attention: str = "portable") -> None:
     """Trace `model` into an ONNX graph at `path` with the bundle's KV-cache I/O.
 
     `share_head`: for tied embeddings, let the LM head read the embedding table (no second
@@ -103,9 +124,10 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     `features`: a target that also outputs its features (True, or the feature draft that
     reads them: LlamaFamilyDecoder). A feature draft (export/drafts/feature.py) is its own
     export module and always has feature I/O.
-    `fused`: attention on GroupQueryAttention, KV layout "bhsd-inplace" (a feature draft is
-    switched to it with its `fuse_attention`).
+    `attention`: the attention's form (`wrap`); "fused" and "batched" have the KV layout
+    "bhsd-inplace" (a feature draft is switched to "fused" with its `fuse_attention`).
     """
+    fused = attention != "portable"
     dims = model_dims(model)
     n, kv, d = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
     dtype = next(model.parameters()).dtype
@@ -132,9 +154,12 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     for name in outputs[1:]:
         dynamic[name] = ({0: "B", 1: "F" if keeps else "T"} if name == FEATURES_OUT
                          else {0: "B", 2: "C" if fused else "T"})
+    if reads and attention == "batched":
+        raise ValueError("a feature draft has no batched attention: batched decoding takes "
+                         "a model draft (--draft-layers N or a model draft folder) or none")
     if reads and fused:
         model.fuse_attention()
-    module = model if reads else wrap(model, features, fused)
+    module = model if reads else wrap(model, features, attention)
     path = Path(path)
     # torch writes a graph over 2 GB as one file per tensor beside it: trace into a folder of
     # its own, then gather the tensors into `path` (and its data file), one at a time.
@@ -152,6 +177,8 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
                               output_names=outputs, dynamic_axes=dynamic,
                               opset_version=OPSET, dynamo=False)
         graph = load_graph(traced)
+        if attention == "batched":
+            raise_opset(graph, BATCHED_OPSET)
         if share_head and model.config.tie_word_embeddings:
             share_tied_head(graph, Path(work))
         save_graph(graph, Path(work), path)

@@ -16,12 +16,14 @@ from specedge.runtime.bundle import (
     ModelSpec,
 )
 from specedge.runtime.errors import BackendUnavailableError, BundleError
-from specedge.runtime.kv_cache import KVCache, SlotCaches, check_call
+from specedge.runtime.kv_cache import KVCache, SlotCaches, check_call, check_room
 
 MAX_KEPT_T = 16
 # The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
 # graphs feed it (microsoft/onnxruntime#23944); tested with 1.31.
 MIN_ORT_FUSED = (1, 22)
+# Batched attention (TensorScatter and Attention of opset 24): tested with 1.31.
+MIN_ORT_BATCHED = (1, 31)
 # ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 on Ampere and newer by default
 # (use_tf32=1): 10 mantissa bits, enough to flip greedy near-ties, where an fp32 bundle
 # promises plain decoding's tokens.
@@ -66,10 +68,10 @@ class OrtCpuBackend:
         # call (docs/design.md#batch-invariance-of-quantized-graphs). Default: in-place graphs.
         self.one_token_as_two = (spec.kv_layout == KV_LAYOUT_IN_PLACE
                                  if one_token_as_two is None else one_token_as_two)
-        # A portable graph attends over the whole capacity, so its cache starts small and
-        # grows (a new cache object is bound at its first call); an in-place graph reads
-        # only the valid rows, so growing would only copy.
-        self.grows_cache = spec.kv_layout != KV_LAYOUT_IN_PLACE
+        # Portable and batched graphs attend over the whole capacity, so their cache starts
+        # small and grows (a new cache object is bound at its first call);
+        # GroupQueryAttention reads only the valid rows, so growing would only copy.
+        self.grows_cache = spec.attention != "fused"
         self.session = open_session(spec, threads, "CPUExecutionProvider", spinning)
         self._inputs, self._outputs = spec.io()
         self._past_length = np.zeros(1, np.int64)
@@ -185,13 +187,27 @@ class OrtCpuBackend:
         at its own length and keeps its rows. Returns each row's logits [len, vocab] (views,
         valid until the next call) and appends its K/V rows to its slot.
 
-        Portable graphs only (KV layout "bhsd-fixed"): ONNX Runtime's CPU
-        GroupQueryAttention takes several rows only one token each (runtime/bundle.py)."""
+        Graphs that take several rows of several tokens (runtime/bundle.py): portable ones,
+        whose new rows are copied into the slots, and batched ones, which write every row's
+        new rows (the padding's too, past the counted rows) into the slots in place. The
+        caller gives every slot of the range room for the call's T rows (batch.py). Each
+        row computes what a verification call computes (a call of one row and one token
+        on an in-place target runs as two tokens, as `forward`'s one-token step does)."""
         check_batch_rows(self.spec)
+        in_place = self.spec.kv_layout == KV_LAYOUT_IN_PLACE
         hi = max(rows) + 1
         n, t = hi - lo, max(len(ids) for ids in rows.values())
         for slot, ids in rows.items():
             check_call(caches.slots[slot], len(ids), 1)
+        # One token a row on an in-place target: a call of one row runs as two, as
+        # `forward` runs a one-token step; a call of several rows is a multi-row call
+        # already, and a batched graph's attention never takes its one-query path
+        # (export/graph/attention.py, `ScatterAttention`).
+        padded = t == 1 and n == 1 and self.one_token_as_two and in_place
+        t += padded
+        if in_place:
+            for cache in caches.slots[lo:hi]:
+                check_room(cache.length, t, caches.capacity + caches.spare)
         if self._slot_caches is not caches:
             self._slot_caches, self._slot_bindings = caches, {}
         key = (lo, n, t)
@@ -199,19 +215,25 @@ class OrtCpuBackend:
         if b is None:
             b = self._slot_bindings[key] = self._bind_slots(caches, lo, n, t)
         ids, positions = b.ids
+        last = self.spec.max_context - 1
         for i in range(n):
             cache = caches.slots[lo + i]
             tokens = rows.get(lo + i) or [0]
             ids[i, :len(tokens)] = tokens
             ids[i, len(tokens):] = tokens[-1]
-            positions[i] = np.arange(cache.length, cache.length + t)
+            # Padding past the context's end reuses its last position: what the padding
+            # computes is dropped, and a row's own positions are all inside the context.
+            positions[i] = np.minimum(np.arange(cache.length, cache.length + t), last)
             b.past_length[i] = cache.length
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0
         logits = {}
         for slot, tokens in rows.items():
-            caches.slots[slot].write(b.presents[:, slot - lo:slot - lo + 1, :, :len(tokens)])
+            if b.presents is None:
+                caches.slots[slot].advance(len(tokens))
+            else:
+                caches.slots[slot].write(b.presents[:, slot - lo:slot - lo + 1, :, :len(tokens)])
             logits[slot] = b.logits[slot - lo, :len(tokens)]
         return logits
 
@@ -219,12 +241,13 @@ class OrtCpuBackend:
         """Bind every tensor of a call on n slots from `lo`, T tokens each."""
         s = self.spec
         block = caches.block(lo, lo + n)
+        in_place = s.kv_layout == KV_LAYOUT_IN_PLACE
+        presents = None if in_place else np.zeros((2 * s.num_layers, n, s.num_kv_heads, t,
+                                                   s.head_dim), np.float32)
         b = _SlotBinding(io=self.session.io_binding(), ids=np.zeros((2, n, t), np.int64),
                          past_length=np.zeros(n, np.int64), keep=np.array([t], np.int64),
                          logits=np.zeros((n, t, s.vocab_size), np.float32),
-                         presents=np.zeros((2 * s.num_layers, n, s.num_kv_heads, t,
-                                            s.head_dim), np.float32),
-                         block=block)
+                         presents=presents, block=block)
         for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
                           ("past_length", b.past_length), ("logits_to_keep", b.keep)):
             b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
@@ -234,8 +257,8 @@ class OrtCpuBackend:
         b.io.bind_output("logits", "cpu", 0, np.float32, list(b.logits.shape),
                          b.logits.ctypes.data)
         for j, name in enumerate(self._outputs[1:1 + 2 * s.num_layers]):
-            b.io.bind_output(name, "cpu", 0, np.float32, list(b.presents[j].shape),
-                             b.presents[j].ctypes.data)
+            buf = block[j] if in_place else b.presents[j]
+            b.io.bind_output(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
         return b
 
 
@@ -248,17 +271,17 @@ class _SlotBinding:
     past_length: np.ndarray  # [n]
     keep: np.ndarray         # [1] = T: every position's logits
     logits: np.ndarray       # [n, T, vocab]
-    presents: np.ndarray     # [2 * layers, n, kv_heads, T, head_dim]
+    presents: np.ndarray | None  # [2 * layers, n, kv_heads, T, head_dim]; None: in place
     block: np.ndarray        # the slots' planes, held while bound
 
 
 def check_batch_rows(spec: ModelSpec) -> None:
     """Raise ValueError, saying what to export, unless the graph takes several rows of
     several tokens in one call (`forward_slots`)."""
-    if spec.kv_layout == KV_LAYOUT_IN_PLACE:
+    if spec.attention == "fused":
         raise ValueError(f"{spec.path} runs attention on ONNX Runtime's GroupQueryAttention, "
                          "whose CPU kernel takes several rows one token each only: for "
-                         "batched decoding, export the bundle with --attention portable")
+                         "batched decoding, export the bundle with --attention batched")
     if not spec.batch_rows:
         raise ValueError(f"{spec.path} takes one row a call (bundle format 3 or older): "
                          "re-export the bundle for batched decoding")
@@ -298,6 +321,12 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str,
             f"needs onnxruntime >= {'.'.join(map(str, MIN_ORT_FUSED))} (this is "
             f"{ort.__version__}): pip install -U onnxruntime, or export the bundle with "
             "--attention portable")
+    if spec.attention == "batched" and here < MIN_ORT_BATCHED:
+        raise BackendUnavailableError(
+            f"{spec.path} uses ONNX's TensorScatter and Attention (opset 24), tested with "
+            f"onnxruntime >= {'.'.join(map(str, MIN_ORT_BATCHED))} (this is "
+            f"{ort.__version__}): pip install -U onnxruntime, or export the bundle with "
+            "--attention fused or portable")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:

@@ -73,14 +73,15 @@ PROBE_EVERY = 64
 
 
 def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[float],
-           k_max: int) -> int:
+           k_max: int, others: int = 0) -> int:
     """The K in [0, k_max] with the highest rate(K) (smallest K on ties). betas[i - 1] is
     beta_i for i = 1 .. k_max; verify_cost[T] is v(T) for T = 1 .. k_max + 1 (index 0
-    unused), in the unit of `draft_cost`."""
+    unused), in the unit of `draft_cost`. `others`: rows that share the calls and take one
+    token from each (a batch, drafting/batch_costs.py): rate(K) = (others + E(K)) / cost."""
     prefix = accumulate(betas[:k_max], lambda product, beta: product * beta)
     expected = list(accumulate(prefix, initial=1.0))
-    return max(range(k_max + 1),
-               key=lambda k: (expected[k] / (k * draft_cost + verify_cost[k + 1]), -k))
+    return max(range(k_max + 1), key=lambda k: (
+        (others + expected[k]) / (k * draft_cost + verify_cost[k + 1]), -k))
 
 
 def _smooth(old: float | None, new: float) -> float:
@@ -166,12 +167,17 @@ class StepHistory:
     def draft_cost(self, verify_one: float) -> float:
         return self.draft if self.draft is not None else PRIOR_C * verify_one
 
+    def others(self) -> int:
+        """Rows that share this sequence's calls: none alone (drafting/batch_costs.py)."""
+        return 0
+
 
 def auto_k(history: StepHistory, k_max: int = AUTO_MAX_K) -> int:
     """best_k for the acceptance and costs in `history`, with a probe of K + 1 or K - 1 on
     every PROBE_EVERY / 2-th step."""
     verify = history.verify_costs(k_max + 1)
-    k = best_k(history.betas(k_max), history.draft_cost(verify[1]), verify, k_max)
+    k = best_k(history.betas(k_max), history.draft_cost(verify[1]), verify, k_max,
+               history.others())
     if history.steps % PROBE_EVERY == PROBE_EVERY // 2:
         return min(k + 1, k_max)
     if history.steps and history.steps % PROBE_EVERY == 0:
@@ -228,6 +234,10 @@ class Histories:
     def of(self, source: str, greedy: bool) -> StepHistory:
         history = self._steps.get((source, greedy))
         if history is None:
-            history = self._steps[source, greedy] = StepHistory(
+            history = self._steps[source, greedy] = self.new_history(
                 self._verify.setdefault(greedy, {}))
         return history
+
+    def new_history(self, verify: dict[int, float]) -> StepHistory:
+        """The StepHistory of a new (source, sampling mode), sharing the mode's v(T)."""
+        return StepHistory(verify)

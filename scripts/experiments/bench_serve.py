@@ -18,6 +18,11 @@ seen when the client receives them):
   import or with --no-llama-cpp;
 - `llama.cpp server lookup`: the same with llama-cpp-python's speculative mode, prompt-lookup
   decoding (10 tokens);
+- with --max-batch N: `specedge batch spec` / `specedge batch plain`, the same server with
+  --max-batch N; and `llama-server -np` / `llama-server -np ngram`, llama.cpp's own server
+  (`bash scripts/install_llama_cpp.sh --server`, or --llama-server PATH) on the same GGUF
+  with N parallel slots and continuous batching, plain and with its n-gram speculation
+  (`--spec-type ngram-simple`, 10 tokens from 2-grams);
 - `in-process spec` / `in-process plain`: `Generator.stream` on the same bundle in this
   process, at concurrency 1 only, so that the HTTP layer's cost is a number.
 
@@ -52,7 +57,8 @@ same share from every system.
 
     python scripts/experiments/bench_serve.py [--bundle DIR] [--threads N] [--rounds 3]
         [--concurrency 1 4 16] [--prompts 16] [--max-tokens 64] [--quick]
-        [--no-llama-cpp] [--out bench_results/serve.json]
+        [--no-llama-cpp] [--max-batch N] [--llama-server PATH]
+        [--out bench_results/serve.json]
 
 Without --bundle: SmolLM2-135M-Instruct at int4 with the shipped draft (drafts/
 smollm2-135m), exported once into the specedge cache (bundles/smollm2-int4). The GGUF and
@@ -97,11 +103,19 @@ SPEC, PLAIN, LLAMA = "specedge spec", "specedge plain", "llama.cpp server"
 # The same server with --max-batch N: up to N requests at once, sharing each model call.
 BATCH_SPEC, BATCH_PLAIN = "specedge batch spec", "specedge batch plain"
 LLAMA_LOOKUP = "llama.cpp server lookup"
-LLAMAS = (LLAMA, LLAMA_LOOKUP)
+# llama.cpp's own llama-server with --max-batch parallel slots (continuous batching), plain
+# and with its n-gram speculation (--spec-type ngram-simple).
+LLAMA_SLOTS, LLAMA_SLOTS_NGRAM = "llama-server -np", "llama-server -np ngram"
+LLAMAS = (LLAMA, LLAMA_LOOKUP, LLAMA_SLOTS, LLAMA_SLOTS_NGRAM)
 IN_SPEC, IN_PLAIN = "in-process spec", "in-process plain"
-SYSTEMS = (SPEC, PLAIN, BATCH_SPEC, BATCH_PLAIN, LLAMA, LLAMA_LOOKUP, IN_SPEC, IN_PLAIN)
-# llama-cpp-python's own speculative mode: prompt-lookup decoding, its default 10 tokens.
+SYSTEMS = (SPEC, PLAIN, BATCH_SPEC, BATCH_PLAIN, LLAMA, LLAMA_LOOKUP, LLAMA_SLOTS,
+           LLAMA_SLOTS_NGRAM, IN_SPEC, IN_PLAIN)
+# llama-cpp-python's own speculative mode: prompt-lookup decoding, its default 10 tokens
+# from n-grams of up to 2; llama-server's ngram-simple is given the same sizes.
 LLAMA_LOOKUP_TOKENS = 10
+LLAMA_LOOKUP_NGRAM = 2
+# Where `bash scripts/install_llama_cpp.sh --server` puts llama-server.
+LLAMA_SERVER = ROOT / ".venv" / "llama.cpp" / "bin" / "llama-server"
 IN_PROCESS = {IN_SPEC: True, IN_PLAIN: False}  # name: speculative on
 QUICK = {"rounds": 1, "concurrency": [1, 4], "prompts": 4}
 
@@ -345,6 +359,29 @@ def start_llama_cpp(gguf: Path, threads: int, logs: Path, lookup: bool = False
     return ServerProcess(name, command, port, "/v1/models", log), n_batch
 
 
+def start_llama_server(binary: Path, gguf: Path, threads: int, logs: Path, slots: int,
+                       ngram: bool = False) -> ServerProcess:
+    """llama.cpp's llama-server on `gguf` with `slots` parallel sequences (continuous
+    batching), each with the context llama-cpp-python's server gets, flash attention on, the
+    batch sizes `start_llama_cpp` uses; with its n-gram speculation when `ngram`."""
+    from specedge.bench.baselines import _llama_cpp_batch
+
+    n_batch = _llama_cpp_batch(gguf, threads)
+    port = free_port()
+    command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "--threads", str(threads), "--threads-batch", str(threads),
+               "--ctx-size", str(LLAMA_CPP_CONTEXT * slots), "--parallel", str(slots),
+               "--cont-batching", "--batch-size", str(n_batch), "--ubatch-size", str(n_batch),
+               "--flash-attn", "on", "--no-webui"]
+    if ngram:
+        command += ["--spec-type", "ngram-simple",
+                    "--spec-ngram-simple-size-n", str(LLAMA_LOOKUP_NGRAM),
+                    "--spec-ngram-simple-size-m", str(LLAMA_LOOKUP_TOKENS)]
+    name = LLAMA_SLOTS_NGRAM if ngram else LLAMA_SLOTS
+    log = logs / ("llama_server_ngram.log" if ngram else "llama_server.log")
+    return ServerProcess(name, command, port, "/health", log)
+
+
 def default_bundle() -> Path:
     """SmolLM2-135M-Instruct at int4 with the shipped draft, exported once into the cache
     (export_bundle skips a bundle that is up to date)."""
@@ -441,6 +478,12 @@ def ratios(runs: dict[tuple[str, int], list[Run]], concurrency: list[int]) -> li
             ">= 2.5" if c == 4 else ">= 1" if c == 1 else None)
         add(f"{BATCH_PLAIN} / {PLAIN} tok/s", c, BATCH_PLAIN, PLAIN, "tokens_per_second")
         add(f"{BATCH_SPEC} / {LLAMA} tok/s", c, BATCH_SPEC, LLAMA, "tokens_per_second")
+        add(f"{BATCH_SPEC} / {LLAMA_SLOTS} tok/s", c, BATCH_SPEC, LLAMA_SLOTS,
+            "tokens_per_second", ">= 1" if c == 4 else None)
+        add(f"{BATCH_SPEC} / {LLAMA_SLOTS_NGRAM} tok/s", c, BATCH_SPEC, LLAMA_SLOTS_NGRAM,
+            "tokens_per_second")
+        add(f"{BATCH_PLAIN} / {LLAMA_SLOTS} tok/s", c, BATCH_PLAIN, LLAMA_SLOTS,
+            "tokens_per_second")
         add(f"{BATCH_SPEC} / {SPEC} at 1 ITL p99", c, BATCH_SPEC, SPEC, "itl_p99", "<= 2",
             den_c=1)
     if 1 in concurrency:
@@ -454,7 +497,7 @@ def ratios(runs: dict[tuple[str, int], list[Run]], concurrency: list[int]) -> li
 
 def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: list[int],
             prompts: list[dict], max_tokens: int, cache: Path, llama_cpp: bool,
-            max_batch: int = 1) -> dict:
+            max_batch: int = 1, llama_server: Path | None = None) -> dict:
     """Start the servers, run every round, and return the report's figures."""
     from specedge.runtime.generator import Generator
 
@@ -486,6 +529,14 @@ def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: l
                                    "'llama-cpp-python[server]'"}
         else:
             info = {"skipped": "--no-llama-cpp"}
+        if llama_server is not None:
+            gguf = gguf_source()
+            print(f"starting {llama_server} -np {max_batch}", file=sys.stderr)
+            for ngram in (False, True):
+                server = start_llama_server(llama_server, gguf, threads, logs, max_batch, ngram)
+                servers[server.name] = server
+            info["llama_server"] = {"binary": str(llama_server), "parallel": max_batch,
+                                    "ngram": [LLAMA_LOOKUP_NGRAM, LLAMA_LOOKUP_TOKENS]}
         if "skipped" in info:
             print(f"llama.cpp server skipped: {info['skipped']}", file=sys.stderr)
         generator = Generator.from_bundle(bundle, threads=threads)
@@ -620,8 +671,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--max-batch", type=int, default=0,
                     help="also run the server with --max-batch N (a bundle exported with "
-                         "--attention portable), as 'specedge batch spec/plain' (default 0: "
-                         "not)")
+                         "--attention batched or portable), as 'specedge batch spec/plain' "
+                         "(default 0: not)")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="llama.cpp's llama-server binary, run with --max-batch parallel "
+                         "slots beside the batching server (default: the one `bash "
+                         "scripts/install_llama_cpp.sh --server` builds, if built)")
     ap.add_argument("--out", type=Path, default=Path("bench_results/serve.json"),
                     help="the JSON report; the GGUF and server logs go in a folder of its "
                          "name beside it")
@@ -640,6 +695,12 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"{bundle} is not a bundle (no manifest.json): make one with "
                  "`specedge export`")
     prompts = select_prompts(args.prompts)
+    llama_server = None
+    if args.max_batch > 1 and not args.no_llama_cpp:
+        llama_server = args.llama_server or (LLAMA_SERVER if LLAMA_SERVER.is_file() else None)
+        if llama_server is None:
+            print("llama-server -np skipped: not built (bash scripts/install_llama_cpp.sh "
+                  "--server), or name it with --llama-server", file=sys.stderr)
 
     results = {
         "machine": machine(),
@@ -658,7 +719,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results.update(measure(bundle, lambda: gguf_for(bundle, cache), args.threads,
                            args.rounds, concurrency, prompts, args.max_tokens, cache,
-                           not args.no_llama_cpp, args.max_batch))
+                           not args.no_llama_cpp, args.max_batch, llama_server))
     results["load_average"]["end"] = _load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out, json.dumps(results, indent=2) + "\n")

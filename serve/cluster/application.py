@@ -4,8 +4,9 @@ cluster (`ClusterSettings`), its two deployments built and bound (`build_cluster
 
 Two deployments make the application (docs/cluster.md):
 
-- `GeneratorReplica`: one Generator on one device. `max_ongoing_requests=1` (a Generator
-  serves one sequence at a time), and a custom resource (`edge_device` by default) that
+- `GeneratorReplica`: one Generator on one device. `max_ongoing_requests` = --max-batch (1:
+  a Generator serves one sequence at a time; more: a BatchSession batches them), and a
+  custom resource (`edge_device` by default) that
   each device node offers once, so each node hosts one replica. Its `generate` streams a
   request's text pieces; every speculative step runs on the replica's one step thread, off
   the event loop, so a cancellation (the client went away) lands between two steps: the
@@ -84,10 +85,10 @@ def build_cluster_app(settings: ServerSettings, cluster: ClusterSettings):
     else:
         scaling = {"autoscaling_config": {
             "min_replicas": cluster.min_replicas, "max_replicas": cluster.max_replicas,
-            "target_ongoing_requests": 1, "upscale_delay_s": cluster.upscale_delay,
+            "target_ongoing_requests": settings.max_batch, "upscale_delay_s": cluster.upscale_delay,
             "downscale_delay_s": cluster.downscale_delay}}
     replica = serve.deployment(
-        GeneratorReplica, name="GeneratorReplica", max_ongoing_requests=1,
+        GeneratorReplica, name="GeneratorReplica", max_ongoing_requests=settings.max_batch,
         max_queued_requests=settings.max_queue, ray_actor_options=device,
         health_check_period_s=cluster.health_check_period,
         health_check_timeout_s=cluster.health_check_timeout,

@@ -1,6 +1,7 @@
 """The replica deployment: one Generator on one device, one generation at a time, every
-step on one thread off the event loop so that a cancellation lands between two steps
-(docs/cluster.md)."""
+step on one thread off the event loop so that a cancellation lands between two steps; with
+--max-batch N, up to N generations at once in a BatchSession, each on a thread of its own,
+their steps sharing each model call (docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Generator as PieceGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 from ray import serve
 
+from specedge.runtime.batch import BatchSession
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.generator import Generator
+from specedge.runtime.generator import GenerationResult, Generator
 from specedge.serve.app import ServerSettings
 from specedge.serve.metrics import LATENCY_BUCKETS, generation_counts
 
@@ -69,14 +72,20 @@ class ReplicaMetrics:
 
 
 class GeneratorReplica:
-    """One bundle opened on this node's device; one generation at a time."""
+    """One bundle opened on this node's device; `settings.max_batch` generations at a time
+    (Ray sends it as many: application.py, max_ongoing_requests)."""
 
     def __init__(self, settings: ServerSettings):
         self.generator = Generator.from_bundle(settings.bundle, backend=settings.backend,
                                                threads=settings.threads,
                                                spinning=settings.spinning)
-        # Every step of every generation runs on this one thread, in order.
-        self.steps = ThreadPoolExecutor(1, thread_name_prefix="specedge-steps")
+        # One generation at a time: every step runs on one thread, in order. Batched: a
+        # thread each, and a slot more than Ray sends requests, for the idle health check's
+        # one-token step, which may meet a request that arrives meanwhile.
+        self.session = (BatchSession(self.generator, settings.max_batch + 1)
+                        if settings.max_batch > 1 else None)
+        self.steps = ThreadPoolExecutor(settings.max_batch + (self.session is not None),
+                                        thread_name_prefix="specedge-steps")
         self.steps.submit(self._one_token).result()  # the first request pays no warm-up
         self.stall_timeout = settings.stall_timeout
         self.runs = 0  # generations submitted to the step thread and not yet over
@@ -91,17 +100,29 @@ class GeneratorReplica:
                  self.identity["node"])
 
     def _one_token(self) -> None:
-        self.generator.generate(prompt_ids=[0], max_new_tokens=1, use_draft=False)
+        for _ in self._pieces([0], GenerationConfig(max_new_tokens=1, use_draft=False)):
+            pass
+
+    def _pieces(self, ids: list[int], config: GenerationConfig,
+                cancel: threading.Event | None = None
+                ) -> PieceGenerator[str, None, GenerationResult]:
+        """One generation's text pieces; returns its GenerationResult."""
+        if self.session is not None:
+            return (yield from self.session.run(ids, config, cancel))
+        yield from self.generator.stream(prompt_ids=ids, config=config, cancel=cancel)
+        return self.generator.last_result
 
     def _run(self, ids: list[int], config: GenerationConfig, cancel: threading.Event,
              put: Callable[[tuple[str, Any]], None]) -> None:
-        """On the step thread: one generation, its pieces handed to the event loop as they
+        """On a step thread: one generation, its pieces handed to the event loop as they
         are accepted; `cancel` ends it after the step in flight."""
+        pieces = self._pieces(ids, config, cancel)
         try:
-            for piece in self.generator.stream(prompt_ids=ids, config=config, cancel=cancel):
+            while True:
+                put(("piece", next(pieces)))
                 self.last_progress = time.monotonic()
-                put(("piece", piece))
-            put(("done", self.generator.last_result))
+        except StopIteration as done:
+            put(("done", done.value))
         except ValueError as e:  # a request the runtime refuses: the client's mistake
             put(("error", str(e)))
         except Exception as e:

@@ -118,9 +118,9 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
     seen = {}
 
     def measure(bundle, gguf, threads, rounds, concurrency, prompts, max_tokens, cache, llama,
-                max_batch):
+                max_batch, llama_server):
         seen.update(rounds=rounds, concurrency=concurrency, prompts=len(prompts),
-                    max_batch=max_batch)
+                    max_batch=max_batch, llama_server=llama_server)
         return {"systems": {}, "ratios": [], "llama_cpp": {"skipped": "test"},
                 "prompt_tokens_first": {}}
 
@@ -129,14 +129,50 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
     bundle.mkdir()
     (bundle / "manifest.json").write_text("{}")
     main(["--bundle", str(bundle), "--quick", "--out", str(tmp_path / "q.json")])
-    assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4, "max_batch": 0}
+    assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4, "max_batch": 0,
+                    "llama_server": None}
+    # With --max-batch, llama.cpp's own server with as many slots, where one is named.
+    binary = tmp_path / "llama-server"
+    main(["--bundle", str(bundle), "--quick", "--max-batch", "4", "--llama-server",
+          str(binary), "--out", str(tmp_path / "q.json")])
+    assert seen["max_batch"] == 4 and seen["llama_server"] == binary
 
 
-def test_batch_mode_adds_a_batching_server(tiny_portable_bundle, tmp_path, capsys):
-    """--max-batch 2 starts a second `specedge serve --max-batch 2` on the same portable
+def test_llama_server_runs_with_parallel_slots_and_its_ngram_mode(monkeypatch, tmp_path):
+    """llama-server's command: --max-batch slots with continuous batching, each slot the
+    context llama-cpp-python's server gets, the same batch sizes, flash attention; its
+    n-gram speculation with llama-cpp-python's prompt-lookup sizes."""
+    commands = []
+
+    class Started:
+        def __init__(self, name, command, port, ready, log):
+            commands.append(command)
+            self.name = name
+
+    monkeypatch.setattr(bench_serve, "ServerProcess", Started)
+    monkeypatch.setattr("specedge.bench.baselines._llama_cpp_batch", lambda gguf, threads: 64)
+    gguf = tmp_path / "m.gguf"
+    plain = bench_serve.start_llama_server(tmp_path / "llama-server", gguf, 2, tmp_path, 4)
+    ngram = bench_serve.start_llama_server(tmp_path / "llama-server", gguf, 2, tmp_path, 4,
+                                           ngram=True)
+    assert (plain.name, ngram.name) == (bench_serve.LLAMA_SLOTS, bench_serve.LLAMA_SLOTS_NGRAM)
+    command = commands[0]
+    flags = {a: b for a, b in zip(command, command[1:]) if a.startswith("--")
+             and not b.startswith("--")}
+    assert flags["--parallel"] == "4" and "--cont-batching" in commands[0]
+    assert flags["--ctx-size"] == str(4 * bench_serve.LLAMA_CPP_CONTEXT)
+    assert flags["--batch-size"] == flags["--ubatch-size"] == "64"
+    assert "--spec-type" not in commands[0]
+    extra = commands[1][len(commands[0]):]
+    assert extra == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                     "--spec-ngram-simple-size-m", "10"]
+
+
+def test_batch_mode_adds_a_batching_server(tiny_batched_bundle, tmp_path, capsys):
+    """--max-batch 2 starts a second `specedge serve --max-batch 2` on the same batched
     bundle and reports it beside the one-sequence-at-a-time server, with the ratios."""
     out = tmp_path / "batch.json"
-    main(["--bundle", str(tiny_portable_bundle), "--no-llama-cpp", "--rounds", "1",
+    main(["--bundle", str(tiny_batched_bundle), "--no-llama-cpp", "--rounds", "1",
           "--concurrency", "1", "2", "--prompts", "2", "--max-tokens", "6", "--threads", "1",
           "--max-batch", "2", "--out", str(out)])
     results = json.loads(out.read_text())

@@ -11,7 +11,7 @@ from tiny_models import LONGROPE_ORIGINAL, MORE_ARCHITECTURES, save_tiny_more, t
 from transformers import AutoModelForCausalLM
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.export.graph.families import fused_attention, kernel_rotates, model_dims_of
+from specedge.export.graph.families import attention_form, kernel_rotates, model_dims_of
 from specedge.export.graph.trace import wrap
 from specedge.runtime import Generator
 
@@ -117,7 +117,7 @@ def test_export_module_computes_what_transformers_computes(arch, kwargs, fused):
     ids = torch.randint(3, 34, (1, 40), generator=torch.Generator().manual_seed(0))
     past = [torch.zeros(1, dims["num_kv_heads"], 48, dims["head_dim"])
             for _ in range(2 * dims["num_layers"])]
-    module = wrap(model, fused=fused)
+    module = wrap(model, attention="fused" if fused else "portable")
     with torch.no_grad():
         ref = model(ids).logits
         first, *rows = module(ids[:, :30], torch.arange(30)[None], torch.tensor([0]),
@@ -178,8 +178,8 @@ def test_the_graph_rotates_where_the_kernel_cannot(arch, kwargs, rotary):
     dims = model_dims_of(cfg)
     rotated = int(dims["head_dim"] * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
     assert rotated == rotary
-    assert fused_attention("auto", "int8", cfg)
-    assert not fused_attention("auto", "fp32", cfg)
+    assert attention_form("auto", "int8", cfg) == "fused"
+    assert attention_form("auto", "fp32", cfg) == "portable"
     assert not kernel_rotates(cfg)
     assert kernel_rotates(tiny_more(arch).config)
 

@@ -14,7 +14,7 @@ from tiny_models import save_tiny
 from transformers import AutoConfig
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.export.graph.families import fused_attention, kernel_rotates
+from specedge.export.graph.families import attention_form, kernel_rotates
 from specedge.runtime import Generator
 from specedge.runtime.backends import load_backend
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
@@ -57,7 +57,7 @@ def test_fused_graph_declares_its_output_shapes(tiny_checkpoints, tmp_path):
     from specedge.export.sources import load_model
 
     model, _ = load_model(tiny_checkpoints["llama-h16"])
-    export_onnx(model, str(tmp_path / "g.onnx"), features=True, fused=True)
+    export_onnx(model, str(tmp_path / "g.onnx"), features=True, attention="fused")
     graph = onnx.load(str(tmp_path / "g.onnx")).graph
     shapes = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim]
               for o in graph.output}
@@ -82,7 +82,7 @@ def test_fused_module_computes_what_the_portable_module_computes(tiny_checkpoint
     args = (ids, torch.arange(4, 7).unsqueeze(0), past_length, torch.tensor([3]))
     with torch.no_grad():
         logits, *rows = wrap(model)(*args, *past)
-        fused_logits, *buffers = wrap(model, fused=True)(*args, *past)
+        fused_logits, *buffers = wrap(model, attention="fused")(*args, *past)
     torch.testing.assert_close(fused_logits, logits, atol=1e-5, rtol=1e-5)
     for buf, new, old in zip(buffers, rows, past):
         torch.testing.assert_close(buf[:, :, 4:7], new, atol=1e-5, rtol=1e-5)
@@ -193,16 +193,18 @@ def test_attention_choice(tiny_checkpoints, tmp_path):
     # auto: fused for every quantized graph (ONNX Runtime CPU only anyway) that can have it,
     # so that int8/int4 stay batch invariant; GroupQueryAttention needs heads of 8k dims
     for config in (h16, h8, gpt2):
-        assert fused_attention("auto", "int8", config) and fused_attention("auto", "int4", config)
-        assert not fused_attention("auto", "fp32", config)
-        assert not fused_attention("auto", "fp16", config)
-        assert fused_attention("fused", "fp32", config)
-        assert not fused_attention("portable", "int8", config)
-    assert not fused_attention("auto", "int8", h6)
+        assert attention_form("auto", "int8", config) == "fused"
+        assert attention_form("auto", "int4", config) == "fused"
+        assert attention_form("auto", "fp32", config) == "portable"
+        assert attention_form("auto", "fp16", config) == "portable"
+        assert attention_form("fused", "fp32", config) == "fused"
+        assert attention_form("batched", "int4", config) == "batched"  # asked for only
+        assert attention_form("portable", "int8", config) == "portable"
+    assert attention_form("auto", "int8", h6) == "portable"
     with pytest.raises(ValueError, match="multiple of 8.*not 6"):
-        fused_attention("fused", "int8", h6)
+        attention_form("fused", "int8", h6)
     with pytest.raises(ValueError, match="--attention must be one of"):
-        fused_attention("flash", "fp32", h16)
+        attention_form("flash", "fp32", h16)
     # The kernel rotates where it can (16k dims); the graph rotates otherwise, or no rotary.
     assert kernel_rotates(h16) and not kernel_rotates(h8) and not kernel_rotates(gpt2)
 

@@ -1,6 +1,7 @@
 """Several sequences decoded together (runtime/batch.py): a row of a call on several slots
 equals the same call alone, and each sequence's output is its own, whatever shares its
-steps: greedy tokens equal its plain decoding alone, sampled tokens follow the target's
+steps: greedy tokens equal its plain decoding alone (at every precision on batched
+attention, at fp32 on portable attention), sampled tokens follow the target's
 distribution."""
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from specedge.export.bundle_writer import export_bundle
 from specedge.gpu_check.two_sample import first_tokens, two_sample_pvalue
 from specedge.runtime import Generator, token_selection
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
-from specedge.runtime.batch import BatchGenerator, BatchRequest
+from specedge.runtime.batch import (
+    MAX_BATCHED_TOKENS,
+    BatchGenerator,
+    BatchRequest,
+    prefill_chunks,
+)
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.kv_cache import SlotCaches
@@ -36,9 +42,28 @@ def portable_bundles(tiny_checkpoints, tmp_path_factory) -> dict:
     return bundles
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "int4"])
-def portable(request, portable_bundles):
-    return portable_bundles[request.param]
+@pytest.fixture(scope="module")
+def batched_bundles(tiny_checkpoints, tiny_batched_bundle, tmp_path_factory) -> dict:
+    """The same on batched attention (ONNX's Attention, the cache written in place), per
+    precision; GPT-2 (no rotary, learned positions) at int8; heads of 16 (rotated by ONNX
+    Runtime's RotaryEmbedding, not by the graph's own ops) at int4."""
+    bundles = {"fp32": tiny_batched_bundle}
+    for arch, precision in (("llama", "int8"), ("llama", "int4"), ("gpt2", "int8"),
+                            ("llama-h16", "int4")):
+        name = precision if arch == "llama" else f"{arch}-{precision}"
+        bundles[name] = tmp_path_factory.mktemp("batch") / f"batched-{name}"
+        export_bundle(str(tiny_checkpoints[arch]), bundles[name], draft_layers=1,
+                      precision=precision, attention="batched")
+    return bundles
+
+
+@pytest.fixture(scope="module", params=[("portable", p) for p in ("fp32", "int8", "int4")]
+                + [("batched", p) for p in ("fp32", "int8", "int4", "gpt2-int8",
+                                            "llama-h16-int4")],
+                ids=lambda p: "-".join(p))
+def batchable(request, portable_bundles, batched_bundles):
+    form, name = request.param
+    return (portable_bundles if form == "portable" else batched_bundles)[name]
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +71,18 @@ def gen(portable_bundles):
     return Generator.from_bundle(portable_bundles["fp32"])
 
 
-def test_rows_of_one_call_equal_the_same_calls_alone(portable):
+def test_rows_of_one_call_equal_the_same_calls_alone(batchable):
     """Three slots at different lengths, T = 1, 2 and 4 padded to 4, and a slot in the
     range without a row: each row's logits and K/V rows equal a call of that row alone
     with T = 4 (its tokens padded the same way) bit for bit, and the idle slot keeps its
-    rows and length."""
-    spec = load_bundle(portable).target
+    rows and length (a batched graph writes the padding past them)."""
+    spec = load_bundle(batchable).target
     backend = OrtCpuBackend(spec)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, spec.vocab_size, n).tolist() for n in (5, 9, 3, 7)]
     rows = {0: [11], 1: [12, 13], 3: [14, 15, 16, 17]}
-    caches = SlotCaches(spec.num_layers, spec.num_kv_heads, spec.head_dim, 32, 4)
+    caches = SlotCaches(spec.num_layers, spec.num_kv_heads, spec.head_dim, 32, 4,
+                        spare=MAX_BATCHED_TOKENS)
     for slot, prompt in enumerate(prompts):
         backend.forward(caches.slots[slot], prompt, 1)
     idle = caches.slots[2].planes.copy()
@@ -71,8 +97,30 @@ def test_rows_of_one_call_equal_the_same_calls_alone(portable):
         assert caches.slots[slot].length == n
         assert np.array_equal(caches.slots[slot].planes[..., :n, :],
                               alone.planes[..., :n, :])
-    assert caches.slots[2].length == len(prompts[2])
-    assert np.array_equal(caches.slots[2].planes, idle)
+    kept = len(prompts[2])
+    assert caches.slots[2].length == kept
+    assert np.array_equal(caches.slots[2].planes[..., :kept, :], idle[..., :kept, :])
+
+
+def test_one_token_rows_on_a_batched_target_equal_plain_steps_alone(batched_bundles):
+    """A call of one token a row on a batched target, three rows, runs unpadded: each
+    row's logits equal that sequence's plain step alone (run as two tokens) bit for bit,
+    at int4, because the graph's attention never takes its one-query path."""
+    spec = load_bundle(batched_bundles["int4"]).target
+    backend = OrtCpuBackend(spec)
+    assert backend.one_token_as_two
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, spec.vocab_size, n).tolist() for n in (6, 4, 11)]
+    caches = SlotCaches(spec.num_layers, spec.num_kv_heads, spec.head_dim, 32, 3,
+                        spare=MAX_BATCHED_TOKENS)
+    for slot, prompt in enumerate(prompts):
+        backend.forward(caches.slots[slot], prompt, 1)
+    got = backend.forward_slots(caches, 0, {0: [21], 1: [22], 2: [23]})
+    for slot, token in enumerate((21, 22, 23)):
+        alone = backend.new_cache(32)
+        backend.forward(alone, prompts[slot], 1)
+        assert np.array_equal(got[slot], backend.forward(alone, [token], 1))
+        assert caches.slots[slot].length == len(prompts[slot]) + 1
 
 
 CONFIGS = [dict(max_new_tokens=30, use_draft=False),
@@ -83,12 +131,23 @@ CONFIGS = [dict(max_new_tokens=30, use_draft=False),
            dict(max_new_tokens=3, drafter="model", draft_tokens=1)]
 
 
-def test_each_greedy_sequence_equals_its_plain_decoding_alone(gen):
+@pytest.fixture(scope="module", params=["portable-fp32", "batched-fp32", "batched-int8",
+                                        "batched-int4", "batched-gpt2-int8",
+                                        "batched-llama-h16-int4"])
+def exact(request, gen, batched_bundles):
+    """The Generators whose batched greedy output equals plain decoding alone: fp32 on
+    either attention, int8 and int4 on batched attention only (a portable quantized graph
+    computes a row alike in calls of the same T only, docs/design.md, "Batch invariance of
+    quantized graphs", which the row test above checks, while padding changes a row's T)."""
+    form, name = request.param.split("-", 1)
+    return gen if form == "portable" else Generator.from_bundle(batched_bundles[name])
+
+
+def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
     """Six sequences, each with its own drafter, K and length, so that rows join calls
     with different numbers of tokens and leave at different steps; drafts are both
-    accepted and rejected. fp32: a portable int8 graph computes a row alike in calls of
-    the same T only (docs/design.md, "Batch invariance of quantized graphs"), which the
-    row test above checks, while padding changes a row's T."""
+    accepted and rejected."""
+    gen = exact
     alone = [gen.generate(p, raw=True, max_new_tokens=c["max_new_tokens"], use_draft=False)
              for p, c in zip(PROMPTS, CONFIGS)]
     batch = BatchGenerator(gen, max_batch=6).generate(
@@ -100,6 +159,36 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(gen):
     drafted = sum(b.stats["drafted_tokens"] for b in batch)
     accepted = sum(b.stats["accepted_tokens"] for b in batch)
     assert 0 < accepted < drafted
+
+
+def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
+    """On a batched int4 bundle a prompt of 100 tokens runs in calls of 32, 32 and 36
+    tokens (`prefill_chunks`), each its own meeting, while a companion decodes; both
+    sequences' greedy tokens equal their plain decoding alone, whose prompt ran in one
+    call. On a portable bundle the prompt runs whole (its graph computes a chunk otherwise
+    than the whole prompt)."""
+    gen = Generator.from_bundle(batched_bundles["int4"])
+    rng = np.random.default_rng(3)
+    long_prompt = rng.integers(3, 34, 100).tolist()
+    requests = [BatchRequest(prompt_ids=long_prompt, config=GenerationConfig(
+                    max_new_tokens=20, drafter="model", draft_tokens=2)),
+                BatchRequest(prompt=PROMPTS[1], raw=True,
+                             config=GenerationConfig(max_new_tokens=30, use_draft=False))]
+    alone = [gen.generate(prompt_ids=long_prompt, max_new_tokens=20, use_draft=False),
+             gen.generate(PROMPTS[1], raw=True, max_new_tokens=30, use_draft=False)]
+    sizes = []
+    forward = OrtCpuBackend.forward
+
+    def spy(self, cache, token_ids, *args, **kwargs):
+        if self is gen.target:
+            sizes.append(len(token_ids))
+        return forward(self, cache, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(OrtCpuBackend, "forward", spy)
+    batch = BatchGenerator(gen, 2).generate(requests)
+    assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+    assert Counter(sizes)[32] == 2 and 36 in sizes and 100 not in sizes
+    assert prefill_chunks(100, 1, chunked=False) == [100]
 
 
 def test_stop_strings_and_eos_end_one_sequence_only(gen):
@@ -157,7 +246,7 @@ def test_sampled_sequences_with_companions_follow_the_target(gen, monkeypatch):
 
 def test_batches_refuse_what_they_cannot_run(tiny_fused_bundle, gen):
     fused = Generator.from_bundle(tiny_fused_bundle)
-    with pytest.raises(ValueError, match="--attention portable"):
+    with pytest.raises(ValueError, match="GroupQueryAttention.*--attention batched"):
         BatchGenerator(fused)
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
         BatchGenerator(gen, 0)

@@ -20,13 +20,13 @@ PROMPTS = ["the cat sat on the mat", "once upon a time", "why?", "one, two, thre
 
 
 @pytest.fixture(scope="module")
-def gen(tiny_portable_bundle):
-    return Generator.from_bundle(tiny_portable_bundle, threads=1)
+def gen(tiny_batched_bundle):
+    return Generator.from_bundle(tiny_batched_bundle, threads=1)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_portable_bundle, tmp_path_factory):
-    with run_server(tiny_portable_bundle, tmp_path_factory.mktemp("serve-batch"), "--max-batch",
+def server(tiny_batched_bundle, tmp_path_factory):
+    with run_server(tiny_batched_bundle, tmp_path_factory.mktemp("serve-batch"), "--max-batch",
                     "3", "--max-queue", "16", "--model-name", "tiny") as server:
         yield server
 
@@ -116,4 +116,4 @@ def test_max_batch_refuses_a_bundle_that_cannot_batch(tiny_fused_bundle, tmp_pat
                           str(tiny_fused_bundle), "--max-batch", "2", "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "--attention portable" in out.stderr
+    assert "--attention batched" in out.stderr

@@ -1,0 +1,96 @@
+"""Auto K in a batch (runtime/drafting/batch_costs.py): call costs fitted as a fixed part
+plus a part per token-row, and the K they make best falling as the batch grows."""
+
+from __future__ import annotations
+
+import pytest
+
+from specedge.runtime.drafting.auto_k import StepHistory, best_k
+from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
+
+# Target calls of SmolLM2 int4 on 2 cores (rows, tokens a row, ms), as measured for
+# docs/MEASUREMENTS.md, and draft calls of 1.5 ms + 0.5 ms a row.
+CALLS = [(1, 2, 18.5), (2, 1, 15.2), (4, 1, 20.5), (4, 2, 31.9), (4, 3, 36.5), (4, 4, 44.1),
+         (8, 1, 36.3), (8, 2, 53.0), (8, 3, 72.0)]
+
+
+def measured() -> BatchCosts:
+    costs = BatchCosts()
+    for rows, t, ms in CALLS:
+        costs.target.observe(rows * t, ms / 1000)
+    for rows in (1, 2, 4, 8):
+        costs.draft.observe(rows, (1.5 + 0.5 * rows) / 1000)
+    return costs
+
+
+def test_a_linear_cost_is_fitted_from_two_sizes_on():
+    cost = LinearCost()
+    assert cost.fit() is None and cost(4) is None
+    cost.observe(2, 0.010)
+    cost.observe(2, 0.012)
+    assert cost.fit() is None  # one size: no slope to fit
+    cost.observe(6, 0.019)
+    fixed, slope = cost.fit()
+    assert slope == pytest.approx((0.019 - 0.011) / 4, rel=0.05)
+    assert cost(10) == pytest.approx(fixed + 10 * slope)
+
+
+def test_a_cost_never_falls_with_more_tokens():
+    cost = LinearCost()
+    cost.observe(1, 0.020)
+    cost.observe(8, 0.010)  # noise: a bigger call measured faster
+    assert cost.fit()[1] == 0.0
+    assert cost(8) == cost(1)
+
+
+def test_older_calls_weigh_less():
+    """A change of machine load: the fit follows the recent calls."""
+    cost = LinearCost()
+    for _ in range(200):
+        cost.observe(1, 0.010)
+        cost.observe(4, 0.016)
+    for _ in range(200):
+        cost.observe(1, 0.020)
+        cost.observe(4, 0.032)
+    assert cost(1) == pytest.approx(0.020, rel=0.05)
+
+
+@pytest.mark.parametrize("beta, draft, ks", [
+    (0.4, True, [1, 0, 0, 0]), (0.6, True, [1, 0, 0, 0]), (0.9, True, [5, 1, 0, 0]),
+    (0.6, False, [2, 1, 0, 0]), (0.9, False, [5, 3, 0, 0])])
+def test_the_best_k_falls_as_the_batch_grows(beta, draft, ks):
+    """With the measured costs, at batch sizes 1, 2, 4 and 8, the others' rows giving one
+    token each: the K that gives the batch the most tokens a second, down to plain
+    decoding where no K pays; a draft that costs no model call (prompt lookup) keeps
+    drafting longer."""
+    costs = measured()
+    got = [best_k([beta] * 5, costs.draft(rows) if draft else 0.0, costs.verify(rows, 6), 5,
+                  others=rows - 1)
+           for rows in (1, 2, 4, 8)]
+    assert got == ks
+
+
+def test_the_others_rows_make_drafting_pay_less():
+    """The same costs and acceptance: priced for the batch's rows, K is lower."""
+    costs = measured()
+    args = ([0.8] * 5, costs.draft(4), costs.verify(4, 6), 5)
+    assert best_k(*args) == 1 and best_k(*args, others=3) == 0
+
+
+def test_a_sequence_uses_the_batch_costs_once_fitted_and_its_own_before():
+    costs, rows = BatchCosts(), [4]
+    history = BatchHistories(costs, lambda: rows[0]).of("model", True)
+    history.observe(2, 1, 0.050, 0.004, 2)  # the sequence's own step: v(3), d
+    assert history.verify_costs(3)[3] == pytest.approx(0.050)
+    assert history.draft_cost(1.0) == pytest.approx(0.002)
+    assert history.others() == 0
+    fitted = measured()
+    costs.target, costs.draft = fitted.target, fitted.draft
+    assert history.verify_costs(3) == fitted.verify(4, 3)
+    assert history.others() == 3
+    rows[0] = 8
+    assert history.verify_costs(3) == fitted.verify(8, 3)
+    assert history.draft_cost(1.0) == fitted.draft(8)
+    lookup = BatchHistories(costs, lambda: rows[0]).of("lookup", True)
+    lookup.observe(2, 2, 0.050, 0.0, 0)  # no model draft step
+    assert lookup.draft_cost(1.0) == StepHistory().draft_cost(1.0)
