@@ -67,7 +67,9 @@ def speculative_step(state: GenerationState, context: list[int], k: int) -> Step
                                         state.config.draft_threshold)
         draft_calls = drafter.calls - calls
     rows_needed = state.cache.length + len(drafts) + 1
-    if rows_needed > state.cache.capacity:
+    # A sequence decoded with others keeps its cache slot, which the session grows when
+    # the calls meet (batch.py); a cache sized for the whole generation never needs to.
+    if rows_needed > state.cache.capacity and state.target.grows_cache:
         state.cache = state.cache.grown(capacity_for(rows_needed, state.limit))
     with clock.time("target"):
         rows = state.selector.call_model(state.target, state.cache, [context[-1], *drafts],

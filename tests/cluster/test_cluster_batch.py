@@ -43,7 +43,9 @@ def _stream(url: str, prompt: str) -> tuple[str, float, float]:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            piece = json.loads(line[6:])["choices"][0]["text"]
+            event = json.loads(line[6:])
+            assert "choices" in event, event
+            piece = event["choices"][0]["text"]
             if piece:
                 text.append(piece)
                 times.append(time.monotonic())

@@ -24,7 +24,7 @@ from specedge.runtime.batch import (
 )
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.kv_cache import SlotCaches
+from specedge.runtime.kv_cache import CAPACITY_STEP, SlotCaches
 
 PROMPTS = ["hello world", "the cat sat on the mat and the cat sat on the", "a, b, c!", "why?",
            "one two three one two", "zzz"]
@@ -165,16 +165,18 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     """On a batched int4 bundle a prompt of 100 tokens runs in calls of 32, 32 and 36
     tokens (`prefill_chunks`), each its own meeting, while a companion decodes; both
     sequences' greedy tokens equal their plain decoding alone, whose prompt ran in one
-    call. On a portable bundle the prompt runs whole (its graph computes a chunk otherwise
-    than the whole prompt)."""
+    call, also past the slots' first capacity (CAPACITY_STEP rows), which the session
+    raises for every slot between two calls. On a portable bundle the prompt runs whole
+    (its graph computes a chunk otherwise than the whole prompt)."""
     gen = Generator.from_bundle(batched_bundles["int4"])
     rng = np.random.default_rng(3)
     long_prompt = rng.integers(3, 34, 100).tolist()
+    n = CAPACITY_STEP  # 100 + n rows: past the first capacity
     requests = [BatchRequest(prompt_ids=long_prompt, config=GenerationConfig(
-                    max_new_tokens=20, drafter="model", draft_tokens=2)),
+                    max_new_tokens=n, drafter="model", draft_tokens=2)),
                 BatchRequest(prompt=PROMPTS[1], raw=True,
                              config=GenerationConfig(max_new_tokens=30, use_draft=False))]
-    alone = [gen.generate(prompt_ids=long_prompt, max_new_tokens=20, use_draft=False),
+    alone = [gen.generate(prompt_ids=long_prompt, max_new_tokens=n, use_draft=False),
              gen.generate(PROMPTS[1], raw=True, max_new_tokens=30, use_draft=False)]
     sizes = []
     forward = OrtCpuBackend.forward
