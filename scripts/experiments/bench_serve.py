@@ -362,17 +362,13 @@ def start_llama_cpp(gguf: Path, threads: int, logs: Path, lookup: bool = False
 def start_llama_server(binary: Path, gguf: Path, threads: int, logs: Path, slots: int,
                        ngram: bool = False) -> ServerProcess:
     """llama.cpp's llama-server on `gguf` with `slots` parallel sequences (continuous
-    batching), each with the context llama-cpp-python's server gets, flash attention on, the
-    batch sizes `start_llama_cpp` uses; with its n-gram speculation when `ngram`."""
-    from specedge.bench.baselines import _llama_cpp_batch
-
-    n_batch = _llama_cpp_batch(gguf, threads)
+    batching), each with the context llama-cpp-python's server gets, flash attention on, its
+    own batch sizes; with its n-gram speculation when `ngram`."""
     port = free_port()
     command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--threads", str(threads), "--threads-batch", str(threads),
                "--ctx-size", str(LLAMA_CPP_CONTEXT * slots), "--parallel", str(slots),
-               "--cont-batching", "--batch-size", str(n_batch), "--ubatch-size", str(n_batch),
-               "--flash-attn", "on", "--no-webui"]
+               "--cont-batching", "--flash-attn", "on", "--no-webui"]
     if ngram:
         command += ["--spec-type", "ngram-simple",
                     "--spec-ngram-simple-size-n", str(LLAMA_LOOKUP_NGRAM),

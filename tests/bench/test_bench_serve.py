@@ -140,8 +140,8 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
 
 def test_llama_server_runs_with_parallel_slots_and_its_ngram_mode(monkeypatch, tmp_path):
     """llama-server's command: --max-batch slots with continuous batching, each slot the
-    context llama-cpp-python's server gets, the same batch sizes, flash attention; its
-    n-gram speculation with llama-cpp-python's prompt-lookup sizes."""
+    context llama-cpp-python's server gets, flash attention; its n-gram speculation with
+    llama-cpp-python's prompt-lookup sizes."""
     commands = []
 
     class Started:
@@ -150,7 +150,6 @@ def test_llama_server_runs_with_parallel_slots_and_its_ngram_mode(monkeypatch, t
             self.name = name
 
     monkeypatch.setattr(bench_serve, "ServerProcess", Started)
-    monkeypatch.setattr("specedge.bench.baselines._llama_cpp_batch", lambda gguf, threads: 64)
     gguf = tmp_path / "m.gguf"
     plain = bench_serve.start_llama_server(tmp_path / "llama-server", gguf, 2, tmp_path, 4)
     ngram = bench_serve.start_llama_server(tmp_path / "llama-server", gguf, 2, tmp_path, 4,
@@ -161,7 +160,7 @@ def test_llama_server_runs_with_parallel_slots_and_its_ngram_mode(monkeypatch, t
              and not b.startswith("--")}
     assert flags["--parallel"] == "4" and "--cont-batching" in commands[0]
     assert flags["--ctx-size"] == str(4 * bench_serve.LLAMA_CPP_CONTEXT)
-    assert flags["--batch-size"] == flags["--ubatch-size"] == "64"
+    assert flags["--flash-attn"] == "on"
     assert "--spec-type" not in commands[0]
     extra = commands[1][len(commands[0]):]
     assert extra == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
