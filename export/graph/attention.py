@@ -117,6 +117,20 @@ def portable_attention(qkv: torch.Tensor, rotary: tuple[torch.Tensor, ...],
     return cached_attention(q, k, v, past_k, past_v, bias, shape), k, v
 
 
+def written_rows(past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, past_length: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the cache buffers [B, Hkv, C, D] with each row's T new rows k, v
+    [B, Hkv, T, D] at [past_length, past_length + T): what an in-place attention node
+    leaves in them, for tracing."""
+    t = k.shape[2]
+    present_k, present_v = past_k.clone(), past_v.clone()
+    for row, start in enumerate(past_length.tolist()):
+        present_k[row, :, start:start + t] = k[row]
+        present_v[row, :, start:start + t] = v[row]
+    return present_k, present_v
+
+
 class GroupQueryAttention(torch.autograd.Function):
     """ONNX Runtime's fused attention, com.microsoft GroupQueryAttention, for one layer.
 
@@ -153,11 +167,7 @@ class GroupQueryAttention(torch.autograd.Function):
             q, k = rotate_rows(q, cos, sin, positions), rotate_rows(k, cos, sin, positions)
         out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
                                cap or None)
-        present_k, present_v = past_k.clone(), past_v.clone()
-        for row, start in enumerate(past_length.tolist()):
-            present_k[row, :, start:start + t] = k[row]
-            present_v[row, :, start:start + t] = v[row]
-        return out, present_k, present_v
+        return out, *written_rows(past_k, past_v, k, v, past_length)
 
     @staticmethod
     def symbolic(g, qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, heads,
@@ -225,11 +235,7 @@ class ScatterAttention(torch.autograd.Function):
         bias = attention_bias(past_length, past_k.shape[2], t, heads // kv_heads, q.dtype)
         out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
                                cap or None)
-        present_k, present_v = past_k.clone(), past_v.clone()
-        for row, start in enumerate(past_length.tolist()):
-            present_k[row, :, start:start + t] = k[row]
-            present_v[row, :, start:start + t] = v[row]
-        return split_heads(out, heads, d), present_k, present_v
+        return split_heads(out, heads, d), *written_rows(past_k, past_v, k, v, past_length)
 
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, past_length, ends, heads, kv_heads, scale,

@@ -14,7 +14,7 @@ call. It is cautious where the others draft too (their padding is then paid alre
 this sequence's draft costs less than priced), so a sequence drafts only where drafting
 pays even if it alone pads the call. A call costs
 about a fixed part plus a part per token-row: on SmolLM2 int4, 2 cores, a 4-row call of one
-token each 1.1x a one-row call of two, of three each 2.0x (docs/MEASUREMENTS.md). So
+token each 1.4x a one-row call of two, of three each 2.5x (docs/MEASUREMENTS.md). So
 
     v(B, T) = a + b B T,    d(B) = a' + b' B
 

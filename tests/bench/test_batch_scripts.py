@@ -1,0 +1,40 @@
+"""scripts/experiments/batch_exactness.py and bench_batch_calls.py on the tiny batched
+bundle: the checks and figures they report are the ones the runtime gives."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
+
+import batch_exactness  # noqa: E402
+import bench_batch_calls  # noqa: E402
+
+
+def test_batch_exactness_reports_each_sequence_and_the_chunked_prompt(tiny_batched_bundle,
+                                                                      tmp_path):
+    out = tmp_path / "exact.json"
+    report = batch_exactness.main(["--bundle", str(tiny_batched_bundle), "--prompts", "5",
+                                   "--tokens", "12", "--max-batch", "3", "--threads", "1",
+                                   "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [r["settings"] for r in report["rows"]] == batch_exactness.SETTINGS
+    assert report["all_same"] and all(r["same"] and r["parts_at"] is None
+                                      for r in report["rows"])
+    assert report["chunked_prefill_same"] is True
+    assert report["rows"][0]["drafted"] == 0 and report["rows"][2]["drafted"] > 0
+
+
+def test_bench_batch_calls_times_each_shape(tiny_batched_bundle, tmp_path, capsys):
+    out = tmp_path / "calls.json"
+    report = bench_batch_calls.main(["--bundle", str(tiny_batched_bundle), "--shapes", "1x2",
+                                     "3x1", "2x3", "--rounds", "2", "--calls", "2",
+                                     "--threads", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    shapes = [(s["rows"], s["tokens"]) for s in report["shapes"]]
+    assert shapes == [(1, 2), (3, 1), (2, 3)]
+    assert report["shapes"][0]["ratio"] == 1.0
+    assert all(s["ms"] > 0 and len(s["rounds_ms"]) == 2 for s in report["shapes"])
+    assert "| 3 x 1 |" in capsys.readouterr().out
