@@ -33,7 +33,7 @@ from specedge.export.drafts.truncated import (
     truncated_draft,
 )
 from specedge.export.graph.families import attention_form, model_dims_of
-from specedge.export.graph.trace import GRAPH_REVISION, OPSET, export_onnx
+from specedge.export.graph.trace import BATCHED_OPSET, GRAPH_REVISION, OPSET, export_onnx
 from specedge.export.model_entry import model_entry
 from specedge.export.onnx_files import graph_files
 from specedge.export.preflight import ExportPlan, preflight
@@ -397,7 +397,8 @@ def _record(run: ExportRun, settings: ExportSettings, facts: _ModelFacts, graphs
         "models": models,
         "tokenizer": tokenizer,
         "versions": {"torch": version("torch"), "transformers": version("transformers"),
-                     "onnx": version("onnx"), "opset": OPSET},
+                     "onnx": version("onnx"),
+                     "opset": BATCHED_OPSET if settings.attention == "batched" else OPSET},
         "verify": reports.verify or None,
         "export_steps": run.costs,
     }

@@ -35,8 +35,8 @@ from specedge.runtime.bundle import FEATURES_IN, FEATURES_KEEP, FEATURES_OUT, gr
 OPSET = 21
 # The opset of a graph with batched attention: TensorScatter and Attention's
 # nonpad_kv_seqlen are opset 24's, past what the TorchScript exporter traces at, so the
-# graph is traced at OPSET and its opset raised afterwards; every other operator it has
-# means the same at 24 (checked by ONNX's checker in `raise_opset`).
+# graph is traced at OPSET and its opset raised afterwards (`raise_opset` checks each node
+# against opset 24's schemas; --verify and the tests check what the graph computes).
 BATCHED_OPSET = 24
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).

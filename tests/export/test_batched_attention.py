@@ -35,6 +35,7 @@ def test_batched_graph_passes_verify(arch, tiny_checkpoints, tmp_path):
     manifest = export_bundle(str(tiny_checkpoints[arch]), tmp_path / "b", draft_layers=1,
                              attention="batched", verify=True)
     assert manifest["source"]["attention"] == "batched"
+    assert manifest["versions"]["opset"] == 24
     for role in ("target", "draft"):
         model = manifest["models"][role]
         assert manifest["verify"][role]["ok"], manifest["verify"][role]

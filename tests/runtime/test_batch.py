@@ -233,13 +233,17 @@ def _batched_first_tokens(gen, n: int, seed0: int, count: int) -> Counter:
     return tuples
 
 
-def test_sampled_sequences_with_companions_follow_the_target(gen, monkeypatch):
+@pytest.mark.parametrize("form", ["portable-fp32", "batched-int4"])
+def test_sampled_sequences_with_companions_follow_the_target(form, gen, batched_bundles,
+                                                             monkeypatch):
     """Two-sample chi-square on the joint of the first 2 tokens: N = 1500 plain
     generations alone (seeds 0 .. 1499) against 1500 speculative ones (K = 2, model draft,
     seeds 10000 .. 11499) decoded two to a batch of four with companions; alpha = 0.001,
-    cells under 10 draws pooled. Power control at the same N, seeds and alpha: the batched
-    arm with a verifier that draws a rejected draft's replacement from p instead of the
-    residual is rejected."""
+    cells under 10 draws pooled; on portable fp32 and batched int4 attention. Power control
+    at the same N, seeds and alpha: the batched arm with a verifier that draws a rejected
+    draft's replacement from p instead of the residual is rejected."""
+    if form == "batched-int4":
+        gen = Generator.from_bundle(batched_bundles["int4"])
     plain = first_tokens(gen, 1500, 0, 2, use_draft=False, temperature=1.0)
     assert two_sample_pvalue(plain, _batched_first_tokens(gen, 1500, 10_000, 2)) > 0.001
     monkeypatch.setattr(token_selection, "verify_sampled", resamples_from_p)
