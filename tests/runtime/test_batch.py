@@ -6,6 +6,7 @@ distribution."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import numpy as np
@@ -20,6 +21,7 @@ from specedge.runtime.batch import (
     MAX_BATCHED_TOKENS,
     BatchGenerator,
     BatchRequest,
+    BatchSession,
     prefill_chunks,
 )
 from specedge.runtime.bundle import load_bundle
@@ -162,22 +164,19 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
 
 
 def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
-    """On a batched int4 bundle a prompt of 100 tokens runs in calls of 32, 32 and 36
-    tokens (`prefill_chunks`), each its own meeting, while a companion decodes; both
-    sequences' greedy tokens equal their plain decoding alone, whose prompt ran in one
-    call, also past the slots' first capacity (CAPACITY_STEP rows), which the session
-    raises for every slot between two calls. On a portable bundle the prompt runs whole
-    (its graph computes a chunk otherwise than the whole prompt)."""
+    """On a batched int4 bundle, a prompt of 100 tokens that arrives while another
+    sequence decodes runs in calls of 8 tokens and a last of 12 (`prefill_chunks`), each on
+    a row of its own in a meeting of its own; both sequences' greedy tokens equal their
+    plain decoding alone, whose prompt ran in one call, also past the slots' first capacity
+    (CAPACITY_STEP rows), which the session raises for every slot between two calls. A
+    prompt with nobody else running runs whole, and so does one on a portable graph (which
+    computes a chunk otherwise than the whole prompt)."""
     gen = Generator.from_bundle(batched_bundles["int4"])
-    rng = np.random.default_rng(3)
-    long_prompt = rng.integers(3, 34, 100).tolist()
+    long_prompt = np.random.default_rng(3).integers(3, 34, 100).tolist()
     n = CAPACITY_STEP  # 100 + n rows: past the first capacity
-    requests = [BatchRequest(prompt_ids=long_prompt, config=GenerationConfig(
-                    max_new_tokens=n, drafter="model", draft_tokens=2)),
-                BatchRequest(prompt=PROMPTS[1], raw=True,
-                             config=GenerationConfig(max_new_tokens=30, use_draft=False))]
-    alone = [gen.generate(prompt_ids=long_prompt, max_new_tokens=n, use_draft=False),
-             gen.generate(PROMPTS[1], raw=True, max_new_tokens=30, use_draft=False)]
+    first_ids = gen.encode_prompt(PROMPTS[1], raw=True)
+    alone = [gen.generate(prompt_ids=first_ids, max_new_tokens=n, use_draft=False),
+             gen.generate(prompt_ids=long_prompt, max_new_tokens=n, use_draft=False)]
     sizes = []
     forward = OrtCpuBackend.forward
 
@@ -187,9 +186,29 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
         return forward(self, cache, token_ids, *args, **kwargs)
 
     monkeypatch.setattr(OrtCpuBackend, "forward", spy)
-    batch = BatchGenerator(gen, 2).generate(requests)
-    assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
-    assert Counter(sizes)[32] == 2 and 36 in sizes and 100 not in sizes
+    session, results, started = BatchSession(gen, 2), [None, None], threading.Event()
+
+    def run(i: int, ids: list[int], config: GenerationConfig) -> None:
+        pieces = session.run(ids, config)
+        try:
+            while True:
+                next(pieces)
+                started.set()  # the first sequence decodes: the second arrives now
+        except StopIteration as done:
+            results[i] = done.value
+
+    threads = [threading.Thread(target=run, args=(0, first_ids, GenerationConfig(
+        max_new_tokens=n, use_draft=False)))]
+    threads[0].start()
+    assert started.wait(60)
+    threads.append(threading.Thread(target=run, args=(1, long_prompt, GenerationConfig(
+        max_new_tokens=n, drafter="model", draft_tokens=2))))
+    threads[1].start()
+    for t in threads:
+        t.join(120)
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert Counter(sizes)[8] == 11 and 12 in sizes and 100 not in sizes
+    assert sizes[0] == len(first_ids)  # nobody else running: one call
     assert prefill_chunks(100, 1, chunked=False) == [100]
 
 
