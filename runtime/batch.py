@@ -51,10 +51,10 @@ from specedge.runtime.kv_cache import CAPACITY_STEP, SlotCaches, capacity_for
 MAX_BATCHED_TOKENS = 16
 # While other sequences run, a prompt on a batched graph runs in chunks of this many tokens,
 # one chunk a meeting on a row of its own, so that their steps wait for a chunk, not for
-# the whole prompt. Prefill costs about 2 ms a token (SmolLM2 int4, 2 cores: 8 tokens 29 ms,
-# 32 tokens 68 ms, against 19 ms for four sequences' one-token steps), so a chunk of 8 keeps
-# a step with a chunk in it near twice a step without.
-PREFILL_CHUNK = 8
+# the whole prompt. Chunks of 8 tokens served four clients no better at the inter-token
+# p99 and worse in tokens a second and time to first token (docs/MEASUREMENTS.md, "Batched
+# attention and batched serving").
+PREFILL_CHUNK = 32
 
 
 class BatchFull(Exception):

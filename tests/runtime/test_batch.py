@@ -165,7 +165,7 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
 
 def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
     """On a batched int4 bundle, a prompt of 100 tokens that arrives while another
-    sequence decodes runs in calls of 8 tokens and a last of 12 (`prefill_chunks`), each on
+    sequence decodes runs in calls of 32, 32 and 36 tokens (`prefill_chunks`), each on
     a row of its own in a meeting of its own; both sequences' greedy tokens equal their
     plain decoding alone, whose prompt ran in one call, also past the slots' first capacity
     (CAPACITY_STEP rows), which the session raises for every slot between two calls. A
@@ -207,7 +207,7 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     for t in threads:
         t.join(120)
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
-    assert Counter(sizes)[8] == 11 and 12 in sizes and 100 not in sizes
+    assert Counter(sizes)[32] == 2 and 36 in sizes and 100 not in sizes
     assert sizes[0] == len(first_ids)  # nobody else running: one call
     assert prefill_chunks(100, 1, chunked=False) == [100]
 
