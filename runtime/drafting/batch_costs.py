@@ -12,9 +12,11 @@ tokens a second with this sequence at K (E(K) as in auto_k.py): auto_k.py's `bes
 `others` = B - 1 and the costs of B-row calls, d(B) of a draft call and v(B, T) of a target
 call. It is cautious where the others draft too (their padding is then paid already, and
 this sequence's draft costs less than priced), so a sequence drafts only where drafting
-pays even if it alone pads the call. A call costs
-about a fixed part plus a part per token-row: on SmolLM2 int4, 2 cores, a 4-row call of one
-token each 1.4x a one-row call of two, of three each 2.5x (docs/MEASUREMENTS.md). So
+pays even if it alone pads the call.
+
+A call costs about a fixed part plus a part per token-row: on SmolLM2 int4, 2 cores, a
+4-row call of one token each 1.4x a one-row call of two, of three each 2.5x
+(docs/MEASUREMENTS.md, "Batched attention and batched serving"). So
 
     v(B, T) = a + b B T,    d(B) = a' + b' B
 
@@ -79,7 +81,7 @@ class BatchCosts:
 
 class BatchStepHistory(StepHistory):
     """A sequence's StepHistory in a batch: its own acceptance, and the batch's call costs
-    at the batch's current size (`rows()`), where they are fitted yet."""
+    at the batch's current size (`rows()`), once they are fitted."""
 
     def __init__(self, costs: BatchCosts, rows: Callable[[], int],
                  verify: dict[int, float] | None = None):
