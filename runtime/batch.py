@@ -74,14 +74,17 @@ class _Call:
 
 @dataclass
 class _Model:
-    """One model of the session: its backend and the slots of its caches; `chunked`: its
-    prompts run in chunks (`prefill_chunks`), where that computes what one call does (a
-    batched graph)."""
+    """One model of the session: its backend and the slots of its caches."""
 
     backend: OrtCpuBackend
     caches: SlotCaches
     max_context: int
-    chunked: bool = False
+
+    @property
+    def chunked(self) -> bool:
+        """Its prompts may run in chunks (`prefill_chunks`): where that computes what one
+        call does (a batched graph)."""
+        return self.backend.spec.attention == "batched"
 
 
 @dataclass
@@ -254,7 +257,7 @@ class BatchSession:
             spare = MAX_BATCHED_TOKENS if s.kv_layout == KV_LAYOUT_IN_PLACE else 0
             self.models.append(_Model(backend, SlotCaches(
                 s.num_layers, s.num_kv_heads, s.head_dim, min(CAPACITY_STEP, s.max_context),
-                max_batch, spare), s.max_context, chunked=s.attention == "batched"))
+                max_batch, spare), s.max_context))
         self.generator, self.max_batch = generator, max_batch
         # Auto K in the session prices a K with the batch's call costs at its current size
         # (drafting/batch_costs.py), apart from single generations' measurements.

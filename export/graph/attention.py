@@ -21,8 +21,8 @@ graph's KV layout (runtime/bundle.py):
   past_length, and ONNX's own Attention attends over them, causal from each row's end
   (`nonpad_kv_seqlen` = past_length + T). Unlike GroupQueryAttention's CPU kernel, it
   takes several rows of several tokens each, which batched decoding's verification calls
-  are (runtime/batch.py); like it, it computes a row alike in every call of two tokens or
-  more and whatever the other rows are. The graph rotates q and k before it (with ONNX
+  are (runtime/batch.py); it computes a row alike in every call, whatever its T and the
+  other rows are (`ScatterAttention`). The graph rotates q and k before it (with ONNX
   Runtime's RotaryEmbedding where GroupQueryAttention would rotate them). It attends
   over the whole capacity (the padding masked), so its step costs more with the capacity.
 
@@ -216,8 +216,9 @@ class ScatterAttention(torch.autograd.Function):
     place: the `batched` form (module docstring).
 
     Inputs: q [B, H, T, D] and k [B, Hkv, T, D] rotated, v [B, Hkv, T, D], unscaled; the
-    cache buffers [B, Hkv, C, D]; past_length [B] (int64) and past_length + T [B]; `shape`
-    (H, Hkv, D) as Python ints; `scale`; `cap`: Gemma 2's soft-capping of the scores, or 0.
+    cache buffers [B, Hkv, C, D]; past_length [B] (int64) and past_length + T [B]; `heads`
+    and `kv_heads` (H, Hkv) as Python ints; `scale`; `cap`: Gemma 2's soft-capping of the
+    scores, or 0.
     Outputs: attention [B, H, T, D] and the two buffers with each row's T new rows at
     [past_length, past_length + T). The runtime binds each output to its input buffer, so
     that TensorScatter writes in place (it compares the addresses, as GroupQueryAttention

@@ -74,9 +74,11 @@ class BatchCosts:
 
     def verify(self, rows: int, t_max: int) -> list[float] | None:
         """v(rows, T) for T = 0 .. t_max (index 0 unused), or None until fitted."""
-        if self.target.fit() is None:
+        fitted = self.target.fit()
+        if fitted is None:
             return None
-        return [self.target(rows * max(t, 1)) for t in range(t_max + 1)]
+        fixed, per_row = fitted
+        return [max(fixed + per_row * rows * max(t, 1), 1e-9) for t in range(t_max + 1)]
 
 
 class BatchStepHistory(StepHistory):

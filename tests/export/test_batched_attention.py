@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import onnx
 import pytest
 from test_cli import assert_one_line_error, call_main
+from test_fused_attention import agree_step_by_step
 from tiny_models import save_tiny_more
 
 from specedge.export.bundle_writer import export_bundle
@@ -73,20 +73,7 @@ def test_batched_and_fused_graphs_agree_step_by_step(batched_and_fused):
     and grows, as it attends over the whole capacity."""
     batched, fused = (OrtCpuBackend(load_bundle(b).target) for b in batched_and_fused)
     assert batched.grows_cache and not fused.grows_cache
-    caches = batched.new_cache(64), fused.new_cache(64)
-    rng = np.random.default_rng(0)
-    calls = [(list(rng.integers(3, 34, 6)), None)]
-    calls += [(list(rng.integers(3, 34, t)), int(rng.integers(0, t))) for t in (3, 1, 4, 2, 4)]
-    for ids, keep_rows in calls:
-        a = batched.forward(caches[0], ids, len(ids)).copy()
-        b = fused.forward(caches[1], ids, len(ids)).copy()
-        np.testing.assert_allclose(a, b, atol=1e-4)
-        for cache in caches:
-            if keep_rows is not None:
-                cache.rollback(cache.length - len(ids) + keep_rows)
-    n = caches[0].length
-    np.testing.assert_allclose(caches[0].planes[..., :n, :], caches[1].planes[..., :n, :],
-                               atol=1e-5)
+    agree_step_by_step(batched, fused)
 
 
 def test_greedy_speculative_equals_plain_on_batched_graphs(batched_and_fused):

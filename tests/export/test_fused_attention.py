@@ -107,15 +107,20 @@ def test_fused_graph_passes_verify(arch, tiny_checkpoints, tmp_path):
 def test_fused_and_portable_graphs_agree_step_by_step(tiny_fused_bundle, portable_twin):
     """The same calls (prefill, verifications of 1-4 tokens, rollbacks) on both graphs: the
     same logits and the same cache rows, which the fused graph wrote in place."""
-    fused = OrtCpuBackend(load_bundle(tiny_fused_bundle).target)
-    portable = OrtCpuBackend(load_bundle(portable_twin).target)
-    caches = fused.new_cache(64), portable.new_cache(64)
+    agree_step_by_step(OrtCpuBackend(load_bundle(tiny_fused_bundle).target),
+                       OrtCpuBackend(load_bundle(portable_twin).target))
+
+
+def agree_step_by_step(first: OrtCpuBackend, second: OrtCpuBackend) -> None:
+    """A prefill, verifications of 1-4 tokens and rollbacks on both backends: the same
+    logits and cache rows (also tests/export/test_batched_attention.py)."""
+    caches = first.new_cache(64), second.new_cache(64)
     rng = np.random.default_rng(0)
     calls = [(list(rng.integers(3, 34, 6)), None)]
     calls += [(list(rng.integers(3, 34, t)), int(rng.integers(0, t))) for t in (3, 1, 4, 2, 4)]
     for ids, keep_rows in calls:
-        a = fused.forward(caches[0], ids, len(ids)).copy()
-        b = portable.forward(caches[1], ids, len(ids)).copy()
+        a = first.forward(caches[0], ids, len(ids)).copy()
+        b = second.forward(caches[1], ids, len(ids)).copy()
         np.testing.assert_allclose(a, b, atol=1e-4)
         for cache in caches:
             if keep_rows is not None:  # a verification that kept `keep_rows` of its rows
