@@ -58,25 +58,29 @@ def test_losing_a_node_ends_only_its_streams_and_with_an_error(ray_cluster, slow
             "if a['State'] == 'ALIVE' and 'Ingress' in a['Name']))").split()
         assert ingress_nodes == [head_id]
 
+        node_ids = set(ray_cluster.node_ids())
         outs = [{}, {}]
         threads = [threading.Thread(target=stream, args=(app.url, f"node loss {i}", LONG,
                                                          outs[i])) for i in (0, 1)]
         for t in threads:
             t.start()
+        # The node goes as soon as both streams run: asking Ray anything here would start
+        # a driver process (seconds), and the lost node's stream must still be running when
+        # its node goes.
         deadline = time.monotonic() + 60
         while not all(len(o.get("events", [])) > 3 for o in outs):
             assert time.monotonic() < deadline, outs
-            time.sleep(0.1)
-        assert {o["node"] for o in outs} == set(ray_cluster.node_ids()), outs
-        worker = ray_cluster.nodes[-1]
-        os.killpg(worker.proc.pid, signal.SIGKILL)  # the device node is gone at once
+            time.sleep(0.05)
+        os.killpg(ray_cluster.nodes[-1].proc.pid, signal.SIGKILL)  # the device node is gone
+        at_loss = [len(o["events"]) for o in outs]
+        assert {o["node"] for o in outs} == node_ids, outs
         for t in threads:
             t.join(180)
         lost = next(o for o in outs if o["node"] != head_id)
         kept = next(o for o in outs if o["node"] == head_id)
 
         assert lost["events"][-1] == "[DONE]", lost["events"][-3:]
-        assert "error" in lost["events"][-2], lost["events"][-3:]
+        assert "error" in lost["events"][-2], (at_loss, lost["events"][-3:])
         error = lost["events"][-2]["error"]
         assert error["code"] == "replica_failed", error
         assert not any(isinstance(e, dict) and e.get("choices")
