@@ -13,9 +13,9 @@ free slot when it starts (`run`) and gives it back when it ends, so sequences jo
 leave between steps (continuous batching). A sequence's thread blocks in its model's
 `forward` until every running sequence waits on a call; the last one to arrive runs each
 model's waiting calls (`_Meeting`): the short ones as one call, a prompt (more than
-MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others; on a
-batched graph a prompt comes in chunks of PREFILL_CHUNK tokens, one a meeting, so that the
-others' steps do not wait for all of it. The threads
+MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others, one prompt
+a meeting; on a batched graph a prompt comes in chunks of PREFILL_CHUNK tokens, one a
+meeting, so that the others' steps do not wait for all of it. The threads
 only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
@@ -45,16 +45,21 @@ from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import ModelDrafter
 from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
-from specedge.runtime.kv_cache import CAPACITY_STEP, SlotCaches, capacity_for
+from specedge.runtime.kv_cache import GROWTH_STEP, SlotCaches, capacity_for
 
 # A call of more tokens than this is a prompt: it runs on its own row, not padding others.
 MAX_BATCHED_TOKENS = 16
 # While other sequences run, a prompt on a batched graph runs in chunks of this many tokens,
 # one chunk a meeting on a row of its own, so that their steps wait for a chunk, not for
-# the whole prompt. Chunks of 8 tokens served four clients no better at the inter-token
-# p99 and worse in tokens a second and time to first token (docs/MEASUREMENTS.md, "Batched
-# attention and batched serving").
-PREFILL_CHUNK = 32
+# the whole prompt. SmolLM2 int4, four sequences, chat prompts of 36-43 tokens: the
+# inter-token p99 was ~50 ms with chunks of 16, ~85 with 32 and ~47 with 8, which cost
+# a quarter of the tokens a second (docs/MEASUREMENTS.md, "Batched attention and batched
+# serving").
+PREFILL_CHUNK = 16
+# The slots' capacity is cut once this many rows are unused: a long generation's rows,
+# kept, would slow every later call (kv_cache.py); cut at once, a capacity on the edge
+# would be copied back and forth.
+SHRINK_SLACK = 2 * GROWTH_STEP
 
 
 class BatchFull(Exception):
@@ -126,10 +131,13 @@ class _Meeting:
         # call. Run as they come, the sequences' phases drift apart and split the target's
         # calls (SmolLM2 int4, 4 sequences, K = 2: target calls of 1 and 3 rows).
         if any(c.model is not self.target for c in calls):
-            self.waiting = [c for c in calls if c.model is self.target]
             calls = [c for c in calls if c.model is not self.target]
-        else:
-            self.waiting = []
+        # One prompt chunk a model a meeting: the others' steps wait for one chunk, not
+        # for every prompt that arrived at once.
+        first: dict[int, _Call] = {}
+        calls = [c for c in calls if not _prompt(c) or first.setdefault(id(c.model), c) is c]
+        running = {id(c) for c in calls}
+        self.waiting = [c for c in self.waiting if id(c) not in running]
         for model in {id(c.model): c.model for c in calls}.values():
             group = [c for c in calls if c.model is model]
             try:
@@ -145,12 +153,17 @@ class _Meeting:
         self.done.notify_all()
 
 
+def _prompt(call: _Call) -> bool:
+    """Whether a call is a prompt or a chunk of one."""
+    return call.alone or len(call.tokens) > MAX_BATCHED_TOKENS
+
+
 def _alone(model: _Model, call: _Call) -> bool:
     """Whether a call runs on its own row: a prompt or a chunk of one, or, on an in-place
     target, a one-token
     step at the context's last position, which `OrtCpuBackend.forward` runs as one row
     (there is no position for a second), as a single generation's step there is run."""
-    if call.alone or len(call.tokens) > MAX_BATCHED_TOKENS:
+    if _prompt(call):
         return True
     length = model.caches.slots[call.slot].length
     return (len(call.tokens) == 1 and model.backend.one_token_as_two
@@ -159,12 +172,15 @@ def _alone(model: _Model, call: _Call) -> bool:
 
 def _run_group(model: _Model, group: list[_Call], cost: LinearCost | None = None) -> int:
     """One model's waiting calls: the short ones in one call, prompts one by one; the
-    slots' capacity raised first where a call needs more rows. Returns the rows of the
+    slots' capacity first raised where a call needs more rows, or cut where the sequences
+    that needed it have left (the graph attends over all of it). Returns the rows of the
     batched call (0: none); `cost` is told its size in token-rows and its seconds."""
     caches, backend = model.caches, model.backend
+    held = max(slot.length for slot in caches.slots)
     need = max(caches.slots[c.slot].length + len(c.tokens) for c in group)
-    if need > caches.capacity:
-        caches.grow(capacity_for(need, model.max_context))
+    fit = capacity_for(max(held, need), model.max_context, GROWTH_STEP)
+    if fit > caches.capacity or fit + SHRINK_SLACK <= caches.capacity:
+        caches.resize(fit)
         backend.forget_bindings()
     short = {c.slot: c for c in group if not _alone(model, c)}
     for c in group:
@@ -256,7 +272,7 @@ class BatchSession:
             # counted rows: spare rows past the capacity take them, even at a full context.
             spare = MAX_BATCHED_TOKENS if s.kv_layout == KV_LAYOUT_IN_PLACE else 0
             self.models.append(_Model(backend, SlotCaches(
-                s.num_layers, s.num_kv_heads, s.head_dim, min(CAPACITY_STEP, s.max_context),
+                s.num_layers, s.num_kv_heads, s.head_dim, min(GROWTH_STEP, s.max_context),
                 max_batch, spare), s.max_context))
         self.generator, self.max_batch = generator, max_batch
         # Auto K in the session prices a K with the batch's call costs at its current size

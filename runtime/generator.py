@@ -23,7 +23,7 @@ from specedge.runtime.drafting import (
     make_drafter,
 )
 from specedge.runtime.drafting.auto_k import Histories
-from specedge.runtime.kv_cache import capacity_for
+from specedge.runtime.kv_cache import GROWTH_STEP, capacity_for
 from specedge.runtime.loop import GenerationState, decode
 from specedge.runtime.stats import StepClock, summarize
 from specedge.runtime.stop_strings import StopStringHoldback
@@ -309,9 +309,11 @@ class Generator:
         """The state of one generation (`context`: its context_limit), with the target's
         cache ready for the prompt."""
         limit = capacity_for(len(prompt) + config.max_new_tokens, context)
-        # A portable graph attends over the whole capacity: its host cache starts with room
-        # for the prompt and grows between steps (kv_cache.py); other caches are sized once.
-        capacity = capacity_for(len(prompt), limit) if self.target.grows_cache else limit
+        # A portable or batched graph attends over the whole capacity: its host cache starts
+        # with room for the prompt and grows between steps (kv_cache.py); other caches are
+        # sized once.
+        capacity = (capacity_for(len(prompt), limit, GROWTH_STEP) if self.target.grows_cache
+                    else limit)
         if self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         self._cache.rollback(0)

@@ -7,26 +7,46 @@ step's new rows go in with one copy (`write`), or are written by the graph itsel
 (`advance`). The graph never reads rows >= length, so rollback after a rejected draft is
 only `length = n`: stale rows are never read as valid and are overwritten by the next write.
 
-A portable graph attends over the whole capacity, masked rows included (SmolLM2 int8 on
-2 cores: a one-token step takes ~20 ms at capacity 256, ~23 at 512 and ~25 at 768, at one
-context length). So the host cache does not start at prompt + max_new_tokens: it starts
-with room for the prompt and grows by CAPACITY_STEP rows between steps (`grown`, a copy of
-the rows held: ~46 KB per row for SmolLM2). Device caches keep one capacity per generation
-(their addresses are captured in CUDA graphs and TensorRT contexts).
+A portable or batched graph attends over the whole capacity, masked rows included
+(SmolLM2 int8 on 2 cores: a one-token step takes ~20 ms at capacity 256, ~23 at 512 and
+~25 at 768, at one context length; int4 batched, four rows of one token at 50 rows of
+context: ~19 ms at capacity 64, ~23 at 256, ~32 at 512). So the host cache does not start
+at prompt + max_new_tokens: it starts with room for the prompt and grows by GROWTH_STEP
+rows between steps (`grown`, a copy of the rows held: ~46 KB per row for SmolLM2); the
+rows computed do not depend on the capacity, bit for bit
+(tests/runtime/test_batch.py). Device
+caches keep one capacity per generation, a multiple of CAPACITY_STEP (their addresses are
+captured in CUDA graphs and TensorRT contexts, one capture per capacity).
 """
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
-CAPACITY_STEP = 256  # capacity is rounded up to this; a portable graph's attention is O(capacity)
+CAPACITY_STEP = 256  # a generation's context limit and a device cache's capacity round to this
+GROWTH_STEP = 64  # a host cache that grows (attention over its capacity) rounds to this
 
 
-def capacity_for(tokens: int, max_context: int) -> int:
-    """Smallest multiple of CAPACITY_STEP holding `tokens`, capped at `max_context`."""
+def capacity_for(tokens: int, max_context: int, step: int = CAPACITY_STEP) -> int:
+    """Smallest multiple of `step` holding `tokens`, capped at `max_context`."""
     if tokens > max_context:
         raise ValueError(f"{tokens} tokens do not fit the model's context of {max_context}")
-    return min(max_context, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
+    return min(max_context, -(-tokens // step) * step)
+
+
+def zeroed(shape: tuple[int, ...], dtype: np.dtype = np.float32) -> np.ndarray:
+    """A zeroed array on memory of its own mapping, freed with the array. numpy asks the
+    kernel to back an array of 4 MB or more with transparent huge pages, and the first
+    write to one may wait while the kernel compacts memory for it: caches allocated
+    between two steps took 35-70 ms instead of 4 (SmolLM2, four slots of 256 rows). A
+    plain anonymous mapping comes zeroed, page by page as it is written."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    if count * dtype.itemsize < mmap.PAGESIZE:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype, count).reshape(shape)
 
 
 def check_room(length: int, t: int, capacity: int) -> None:
@@ -67,7 +87,7 @@ class KVCache(CacheRows):
                  planes: np.ndarray | None = None):
         super().__init__(capacity)
         # `planes`: memory of another cache's, one slot of a SlotCaches (this cache a view).
-        self.planes = planes if planes is not None else np.zeros(
+        self.planes = planes if planes is not None else zeroed(
             (2 * num_layers, 1, num_kv_heads, capacity + spare, head_dim), dtype)
         self.keys = list(self.planes[0::2])
         self.values = list(self.planes[1::2])
@@ -103,26 +123,29 @@ class SlotCaches:
     [2 * layers, slots, kv_heads, capacity + spare, head_dim], so that a call on slots
     [lo, hi) binds one contiguous block per plane ([hi - lo, kv_heads, ...]), and each slot
     is a KVCache of its own (`slots[i]`, a view) with its own length, for the loop of the
-    sequence that holds it. All slots share one capacity, which `grow` raises between
-    calls (a portable graph attends over all of it, kv_cache.py's module docstring)."""
+    sequence that holds it. All slots share one capacity, which `resize` changes between
+    calls (a portable or batched graph attends over all of it: the module docstring)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  slots: int, spare: int = 0):
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.spare = spare
-        self.planes = np.zeros((2 * num_layers, slots, num_kv_heads, capacity + spare,
-                                head_dim), np.float32)
+        self.planes = zeroed((2 * num_layers, slots, num_kv_heads, capacity + spare,
+                              head_dim))
         self.slots = [KVCache(*self.shape, capacity, spare=spare,
                               planes=self.planes[:, i:i + 1]) for i in range(slots)]
         self.capacity = capacity
 
-    def grow(self, capacity: int) -> None:
-        """Give every slot `capacity` rows, keeping each slot's rows: new buffers (new
-        addresses: bindings to the old ones must go), the same slot objects."""
-        if capacity <= self.capacity:
+    def resize(self, capacity: int) -> None:
+        """Give every slot `capacity` rows, more or fewer, keeping each slot's rows: new
+        buffers (new addresses: bindings to the old ones must go), the same slot objects."""
+        if capacity == self.capacity:
             return
+        held = max(slot.length for slot in self.slots)
+        if held > capacity:
+            raise ValueError(f"a slot holds {held} rows, more than a capacity of {capacity}")
         layers2, slots, heads, _, dim = self.planes.shape
-        planes = np.zeros((layers2, slots, heads, capacity + self.spare, dim), np.float32)
+        planes = zeroed((layers2, slots, heads, capacity + self.spare, dim))
         for i, slot in enumerate(self.slots):
             planes[:, i, :, :slot.length] = self.planes[:, i, :, :slot.length]
             slot.planes = planes[:, i:i + 1]

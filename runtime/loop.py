@@ -23,7 +23,7 @@ from specedge.runtime.backends import Backend, Cache
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import Drafter
 from specedge.runtime.drafting.auto_k import Histories, auto_k
-from specedge.runtime.kv_cache import capacity_for
+from specedge.runtime.kv_cache import GROWTH_STEP, capacity_for
 from specedge.runtime.stats import StepClock
 from specedge.runtime.token_selection import selector_for
 
@@ -70,7 +70,7 @@ def speculative_step(state: GenerationState, context: list[int], k: int) -> Step
     # A sequence decoded with others keeps its cache slot, which the session grows when
     # the calls meet (batch.py); a cache sized for the whole generation never needs to.
     if rows_needed > state.cache.capacity and state.target.grows_cache:
-        state.cache = state.cache.grown(capacity_for(rows_needed, state.limit))
+        state.cache = state.cache.grown(capacity_for(rows_needed, state.limit, GROWTH_STEP))
     with clock.time("target"):
         rows = state.selector.call_model(state.target, state.cache, [context[-1], *drafts],
                                 len(drafts) + 1)

@@ -16,9 +16,11 @@ from power_controls import resamples_from_p
 from specedge.export.bundle_writer import export_bundle
 from specedge.gpu_check.two_sample import first_tokens, two_sample_pvalue
 from specedge.runtime import Generator, token_selection
+from specedge.runtime import batch as batch_module
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.batch import (
     MAX_BATCHED_TOKENS,
+    PREFILL_CHUNK,
     BatchGenerator,
     BatchRequest,
     BatchSession,
@@ -26,7 +28,7 @@ from specedge.runtime.batch import (
 )
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.kv_cache import CAPACITY_STEP, SlotCaches
+from specedge.runtime.kv_cache import GROWTH_STEP, SlotCaches
 
 PROMPTS = ["hello world", "the cat sat on the mat and the cat sat on the", "a, b, c!", "why?",
            "one two three one two", "zzz"]
@@ -104,6 +106,26 @@ def test_rows_of_one_call_equal_the_same_calls_alone(batchable):
     assert np.array_equal(caches.slots[2].planes[..., :kept, :], idle[..., :kept, :])
 
 
+def test_a_row_does_not_depend_on_the_slots_capacity(batchable):
+    """The graph attends over every row of the capacity, masked past each row's length,
+    so the session may raise and cut the capacity between calls (`_run_group`): the same
+    rows at capacities 32, 64 and 160 give the same logits bit for bit."""
+    spec = load_bundle(batchable).target
+    backend = OrtCpuBackend(spec)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, spec.vocab_size, n).tolist() for n in (12, 29)]
+    got = []
+    for capacity in (32, 64, 160):
+        caches = SlotCaches(spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, 2,
+                            spare=MAX_BATCHED_TOKENS)
+        backend.forget_bindings()
+        prefill = [backend.forward(caches.slots[s], p, 1).copy() for s, p in enumerate(prompts)]
+        rows = backend.forward_slots(caches, 0, {0: [7, 8, 9], 1: [10]})
+        got.append([*prefill, rows[0].copy(), rows[1].copy()])
+    for other in got[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(got[0], other))
+
+
 def test_one_token_rows_on_a_batched_target_equal_plain_steps_alone(batched_bundles):
     """A call of one token a row on a batched target, three rows, runs unpadded: each
     row's logits equal that sequence's plain step alone (run as two tokens) bit for bit,
@@ -165,15 +187,15 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
 
 def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
     """On a batched int4 bundle, a prompt of 100 tokens that arrives while another
-    sequence decodes runs in calls of 32, 32 and 36 tokens (`prefill_chunks`), each on
-    a row of its own in a meeting of its own; both sequences' greedy tokens equal their
+    sequence decodes runs in calls of 16 tokens and a last one of 20 (`prefill_chunks`),
+    each on a row of its own in a meeting of its own; both sequences' greedy tokens equal their
     plain decoding alone, whose prompt ran in one call, also past the slots' first capacity
-    (CAPACITY_STEP rows), which the session raises for every slot between two calls. A
+    (GROWTH_STEP rows), which the session raises for every slot between two calls. A
     prompt with nobody else running runs whole, and so does one on a portable graph (which
     computes a chunk otherwise than the whole prompt)."""
     gen = Generator.from_bundle(batched_bundles["int4"])
     long_prompt = np.random.default_rng(3).integers(3, 34, 100).tolist()
-    n = CAPACITY_STEP  # 100 + n rows: past the first capacity
+    n = 2 * GROWTH_STEP  # 100 + n rows: the capacity raised three times
     first_ids = gen.encode_prompt(PROMPTS[1], raw=True)
     alone = [gen.generate(prompt_ids=first_ids, max_new_tokens=n, use_draft=False),
              gen.generate(prompt_ids=long_prompt, max_new_tokens=n, use_draft=False)]
@@ -207,9 +229,82 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     for t in threads:
         t.join(120)
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
-    assert Counter(sizes)[32] == 2 and 36 in sizes and 100 not in sizes
+    assert prefill_chunks(100, 1, chunked=True) == [PREFILL_CHUNK] * 5 + [20]
+    assert Counter(sizes)[PREFILL_CHUNK] == 5 and 20 in sizes and 100 not in sizes
     assert sizes[0] == len(first_ids)  # nobody else running: one call
     assert prefill_chunks(100, 1, chunked=False) == [100]
+
+
+def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypatch):
+    """A sequence of 180 rows raises the slots' capacity to 192; once it ends, the next
+    call cuts it back to what the short sequence left running needs (64 rows), whose greedy
+    tokens still equal its plain decoding alone."""
+    gen = Generator.from_bundle(batched_bundles["int4"])
+    long_ids = np.random.default_rng(5).integers(3, 34, 170).tolist()
+    short_ids = gen.encode_prompt(PROMPTS[0], raw=True)
+    want = gen.generate(prompt_ids=short_ids, max_new_tokens=40, use_draft=False).token_ids
+    capacities = []
+    resize = SlotCaches.resize
+
+    def spy(self, capacity):
+        capacities.append(capacity)
+        return resize(self, capacity)
+
+    monkeypatch.setattr(SlotCaches, "resize", spy)
+    session, got, started = BatchSession(gen, 2), [], threading.Event()
+
+    def run_short() -> None:
+        pieces = session.run(short_ids, GenerationConfig(max_new_tokens=40, use_draft=False))
+        try:
+            while True:
+                next(pieces)
+                started.set()
+        except StopIteration as done:
+            got.append(done.value.token_ids)
+
+    short = threading.Thread(target=run_short)
+    short.start()
+    assert started.wait(60)
+    for _ in session.run(long_ids, GenerationConfig(max_new_tokens=10, use_draft=False)):
+        pass
+    short.join(60)
+    assert got == [want]
+    assert 192 in capacities and capacities[-1] == GROWTH_STEP, capacities
+    assert capacities.index(192) < len(capacities) - 1
+
+
+def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
+    """Two prompts' calls and a decoding sequence's step wait together: the meeting runs
+    the step and one prompt, the other prompt with the next step, so that the step waits
+    for one prompt call at a time."""
+    groups = []
+
+    def run_group(model, group, cost=None):
+        groups.append(sorted(len(c.tokens) for c in group))
+        for c in group:
+            c.logits = np.zeros((c.keep, 4), np.float32)
+        return 0
+
+    monkeypatch.setattr(batch_module, "_run_group", run_group)
+    model = object()
+    meeting = batch_module._Meeting(target=model)
+    for _ in range(3):
+        meeting.join()
+
+    def sequence(calls: list[batch_module._Call]) -> None:
+        for call in calls:
+            meeting.call(call)
+        meeting.leave()
+
+    threads = [threading.Thread(target=sequence, args=([batch_module._Call(
+        model, slot, [1] * 16, 1, alone=True)],)) for slot in (0, 1)]
+    threads.append(threading.Thread(target=sequence, args=([batch_module._Call(
+        model, 2, [1], 1) for _ in range(3)],)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(map(tuple, groups)) == [(1,), (1, 16), (1, 16)], groups
 
 
 def test_stop_strings_and_eos_end_one_sequence_only(gen):

@@ -48,20 +48,21 @@ def test_greedy_speculative_equals_plain(gen, k, drafter):
 
 
 def test_host_cache_grows_between_steps_with_the_same_tokens(gen, monkeypatch):
-    # The host cache starts with room for the prompt and grows by CAPACITY_STEP rows (here
+    # The host cache starts with room for the prompt and grows by GROWTH_STEP rows (here
     # 8, so a generation grows it several times); the graph masks rows past the length, so
     # the tokens are those of a cache sized for the whole generation at once.
-    from specedge.runtime import kv_cache
+    from specedge.runtime import generator, kv_cache, loop
 
     want = {k: gen.generate("the cat sat on the mat", raw=True, max_new_tokens=40,
                             draft_tokens=k) for k in (1, 3)}
-    monkeypatch.setattr(kv_cache, "CAPACITY_STEP", 8)
+    for module in (generator, loop):
+        monkeypatch.setattr(module, "GROWTH_STEP", 8)
     for k in (1, 3):
         got = gen.generate("the cat sat on the mat", raw=True, max_new_tokens=40,
                            draft_tokens=k)
         assert got.token_ids == want[k].token_ids
         prompt = len(gen.codec.encode("the cat sat on the mat"))
-        assert gen._cache.capacity >= prompt + 40 - 1 > kv_cache.capacity_for(prompt, 8192)
+        assert gen._cache.capacity >= prompt + 40 - 1 > kv_cache.capacity_for(prompt, 8192, 8)
 
 
 def test_draft_equal_to_target_accepts_everything(self_gen):

@@ -8,7 +8,7 @@ import pytest
 
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.kv_cache import CAPACITY_STEP, KVCache, capacity_for
+from specedge.runtime.kv_cache import CAPACITY_STEP, KVCache, SlotCaches, capacity_for
 
 
 @pytest.fixture(scope="module", params=["portable", "fused"])
@@ -104,5 +104,22 @@ def test_capacity_for():
     assert capacity_for(1, 8192) == CAPACITY_STEP
     assert capacity_for(CAPACITY_STEP + 1, 8192) == 2 * CAPACITY_STEP
     assert capacity_for(300, 300) == 300
+    assert capacity_for(65, 8192, step=64) == 128
     with pytest.raises(ValueError):
         capacity_for(301, 300)
+
+
+def test_slot_caches_resize_keeps_every_slots_rows_both_ways():
+    caches = SlotCaches(num_layers=2, num_kv_heads=1, head_dim=2, capacity=8, slots=3, spare=2)
+    for slot, n in zip(caches.slots, (3, 0, 5)):
+        slot.write(np.random.default_rng(n).random((4, 1, 1, n, 2), dtype=np.float32))
+    before = [slot.planes[..., :slot.length, :].copy() for slot in caches.slots]
+    for capacity in (20, 6):
+        caches.resize(capacity)
+        assert caches.capacity == capacity and caches.planes.shape[3] == capacity + 2
+        for slot, rows in zip(caches.slots, before):
+            assert slot.capacity == capacity and slot.planes.base is caches.planes
+            assert np.array_equal(slot.planes[..., :slot.length, :], rows)
+            assert all(k.base is caches.planes for k in slot.keys + slot.values)
+    with pytest.raises(ValueError, match="holds 5 rows"):
+        caches.resize(4)
