@@ -99,10 +99,11 @@ def spin_now(others: float | None, spinning: bool) -> bool:
 
 
 def first_choice(meter: LoadMeter, seconds: float = SAMPLE_SECONDS) -> bool:
-    """Whether to spin from the start: the others' use over the next `seconds`, against
-    BUSY_CORES (a reading this short is a few clock ticks a CPU, too coarse for
-    QUIET_CORES)."""
+    """Whether to spin from the start: the others' use over the `seconds` since the meter's
+    last reading (waiting for the rest of them), against BUSY_CORES (a reading this short
+    is a few clock ticks a CPU, too coarse for QUIET_CORES). The caller may work meanwhile:
+    the meter counts this process's own CPU time apart."""
     if not meter.available:
         return False
-    time.sleep(seconds)
+    time.sleep(max(0.0, seconds - meter.elapsed()))
     return spin_now(meter.others(), spinning=True)

@@ -151,14 +151,18 @@ class Generator:
         one per core) that spin while they wait for work when `spinning` (ONNX Runtime's
         `session.intra_op.allow_spinning`; docs/design.md#threads). "auto" (the default)
         spins while other processes leave this process's CPUs idle (runtime/cpu_load.py):
-        measured for 0.2 s before the graphs open, then over each generation and each pause
-        between two; when that changes, the graphs are opened again the other way before
-        the next generation (about 0.5 s for a 135M-parameter model on 2 cores)."""
+        measured for 0.2 s before the graphs open (while the tokenizer loads), then over
+        each generation and each pause between two; when that changes, the graphs are
+        opened again the other way before the next generation (about 0.5 s for a
+        135M-parameter model on 2 cores)."""
         check_spinning(spinning)
         bundle = path if isinstance(path, Bundle) else load_bundle(path)
         meter = None
+        if spinning == "auto" and backend in CPU_THREAD_BACKENDS:
+            meter = cpu_load.LoadMeter()
+        # The tokenizer loads (0.2-0.4 s) while the meter takes its first reading.
+        codec = TextCodec(bundle)
         if spinning == "auto":
-            meter = cpu_load.LoadMeter() if backend in CPU_THREAD_BACKENDS else None
             spinning = meter is not None and cpu_load.first_choice(meter)
 
         def open_models(spin: bool):
@@ -167,7 +171,7 @@ class Generator:
                      else None)
             return target, draft
 
-        gen = cls(bundle, *open_models(spinning), TextCodec(bundle), threads)
+        gen = cls(bundle, *open_models(spinning), codec, threads)
         gen.spinning = spinning
         if meter is not None and meter.available:
             gen._auto_spinning = _AutoSpinning(meter, open_models)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+BATCH_ROWS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 def generation_counts(stats: dict, prompt_tokens: int) -> dict[str, int]:
@@ -38,7 +39,7 @@ class ServerMetrics:
                              "most --max-batch)", registry=r)
         self.batch_rows = Histogram("specedge_batch_rows", "sequences carried by each "
                                     "batched target call (--max-batch > 1)",
-                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+                                    buckets=BATCH_ROWS_BUCKETS, registry=r)
         self.ttft = Histogram("specedge_time_to_first_token_seconds", "arrival to first "
                               "text", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specedge_inter_token_latency_seconds", "decoding time per "

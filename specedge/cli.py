@@ -1,4 +1,5 @@
-"""`specedge <command>`: generate, chat, serve, export, build, distill, bench, gpu-check.
+"""`specedge <command>`: generate, chat, serve, export, build, distill, bench, doctor,
+gpu-check.
 
 Each command imports only what it needs, so `specedge generate`, `specedge chat`,
 `specedge serve` and `specedge build` run where torch is absent.
@@ -11,6 +12,7 @@ import sys
 
 from specedge import chat_cli, generate_cli
 from specedge.bench import run as bench_run
+from specedge.doctor import cli as doctor_cli
 from specedge.export import cli as export_cli
 from specedge.gpu_check import check as gpu_check
 from specedge.serve import cli as serve_cli
@@ -40,6 +42,8 @@ def build_parser() -> Parser:
          "tensorrt and cuda-python, no torch)", export_cli.add_build_arguments),
         ("bench", "speculative vs plain decoding and other systems on a prompt set; writes "
          "JSON, markdown, plots", bench_run.add_arguments),
+        ("doctor", "what this device is and what runs on it: CPU, memory, versions, "
+         "backends, and with --bundle its load and step times", doctor_cli.add_arguments),
         ("gpu-check", "the GPU path end to end on a CUDA machine, against ort-cpu; writes a "
          "JSON report (docs/gpu.md)", gpu_check.add_arguments),
     ):
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         serve_cli.run_serve(args)
     elif args.command == "chat":
         chat_cli.run_chat(args)
+    elif args.command == "doctor":
+        sys.exit(doctor_cli.run(args))
     elif args.command == "gpu-check":
         sys.exit(gpu_check.run(args))
     else:

@@ -74,7 +74,7 @@ def driver_too_old(driver: int, runtime: int) -> str | None:
             f"CUDA {ours} (driver {DRIVERS.get(ours, f'of CUDA {ours}')} or newer): {fix}")
 
 
-def _cuda_versions(cudart) -> tuple[int, int]:
+def cuda_versions(cudart) -> tuple[int, int]:
     """(driver's CUDA version, cuda-python's runtime version); 0 for one that is unknown.
 
     cudaDriverGetVersion answers even when the runtime cannot start (0 when no driver is
@@ -95,7 +95,7 @@ def _check(cudart, result: tuple, call: str):
     err, *values = result
     if err != cudart.cudaError_t.cudaSuccess:
         name = getattr(err, "name", str(err))
-        too_old = driver_too_old(*_cuda_versions(cudart))
+        too_old = driver_too_old(*cuda_versions(cudart))
         if too_old:
             raise BackendUnavailableError(
                 f"{call} failed with {name}: check that the NVIDIA driver is new enough: "

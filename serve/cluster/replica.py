@@ -22,7 +22,7 @@ from specedge.runtime.batch import BatchSession
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.generator import GenerationResult, Generator
 from specedge.serve.app import ServerSettings
-from specedge.serve.metrics import LATENCY_BUCKETS, generation_counts
+from specedge.serve.metrics import BATCH_ROWS_BUCKETS, LATENCY_BUCKETS, generation_counts
 
 log = logging.getLogger("specedge.serve")
 
@@ -32,7 +32,8 @@ class ReplicaMetrics:
     each replica through Ray's metrics: Ray tags them with the deployment and the replica
     and exports them on each node's metrics port with a `ray_` prefix
     (`ray_specedge_spec_decode_num_accepted_tokens_total{replica=...}`). The ingress's
-    /metrics has the same series summed over the replicas, under their own names."""
+    /metrics has the same series summed over the replicas, under their own names; the
+    sequences each batched call carried (`specedge_batch_rows`) are the replica's only."""
 
     def __init__(self) -> None:
         from ray.serve.metrics import Counter, Histogram
@@ -57,6 +58,13 @@ class ReplicaMetrics:
                               "the replica's start of a request to its first text")
         self.latency = histogram("specedge_request_latency_seconds",
                                  "the replica's start of a request to its last token")
+        self.batch_rows = Histogram("specedge_batch_rows", description="sequences carried "
+                                    "by each batched target call (--max-batch > 1)",
+                                    boundaries=list(BATCH_ROWS_BUCKETS))
+
+    def batch_call(self, rows: int) -> None:
+        """One target call that carried `rows` sequences (BatchSession's on_call)."""
+        self.batch_rows.observe(rows)
 
     def generation(self, stats: dict, prompt_tokens: int, first: float | None,
                    seconds: float) -> None:
@@ -82,7 +90,9 @@ class GeneratorReplica:
         # One generation at a time: every step runs on one thread, in order. Batched: a
         # thread each, and a slot more than Ray sends requests, for the idle health check's
         # one-token step, which may meet a request that arrives meanwhile.
-        self.session = (BatchSession(self.generator, settings.max_batch + 1)
+        self.metrics = ReplicaMetrics()
+        self.session = (BatchSession(self.generator, settings.max_batch + 1,
+                                     self.metrics.batch_call)
                         if settings.max_batch > 1 else None)
         self.steps = ThreadPoolExecutor(settings.max_batch + (self.session is not None),
                                         thread_name_prefix="specedge-steps")
@@ -91,7 +101,6 @@ class GeneratorReplica:
         self.runs = 0  # generations submitted to the step thread and not yet over
         self.runs_lock = threading.Lock()
         self.last_progress = time.monotonic()
-        self.metrics = ReplicaMetrics()
         context = serve.get_replica_context()
         self.identity = {"replica": context.replica_id.unique_id,
                          "node": ray.get_runtime_context().get_node_id(),

@@ -1,5 +1,6 @@
-"""scripts/experiments/batch_exactness.py and bench_batch_calls.py on the tiny batched
-bundle: the checks and figures they report are the ones the runtime gives."""
+"""scripts/experiments/batch_exactness.py, bench_batch_calls.py and bench_batch_session.py
+on the tiny batched bundle: the checks and figures they report are the ones the runtime
+gives."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
 
 import batch_exactness  # noqa: E402
 import bench_batch_calls  # noqa: E402
+import bench_batch_session  # noqa: E402
+
+from specedge.runtime import batch  # noqa: E402
 
 
 def test_batch_exactness_reports_each_sequence_and_the_chunked_prompt(tiny_batched_bundle,
@@ -38,3 +42,19 @@ def test_bench_batch_calls_times_each_shape(tiny_batched_bundle, tmp_path, capsy
     assert report["shapes"][0]["ratio"] == 1.0
     assert all(s["ms"] > 0 and len(s["rounds_ms"]) == 2 for s in report["shapes"])
     assert "| 3 x 1 |" in capsys.readouterr().out
+
+
+def test_bench_batch_session_takes_each_setting_in_turn(tiny_batched_bundle, tmp_path, capsys):
+    out = tmp_path / "session.json"
+    before = batch.PREFILL_CHUNK, batch.GROWTH_STEP, batch.SHRINK_SLACK
+    report = bench_batch_session.main(["--bundle", str(tiny_batched_bundle), "--concurrency",
+                                       "2", "--chunks", "8", "16", "--growth-steps", "32",
+                                       "--prompts", "3", "--tokens", "6", "--rounds", "2",
+                                       "--threads", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [(a["chunk"], a["growth_step"]) for a in report["arms"]] == [(8, 32), (16, 32)]
+    assert report["arms"][0]["ratio"] == 1.0
+    assert all(len(a["tokens_per_second"]) == 2 and a["itl_p99_ms"] >= a["itl_p50_ms"] > 0
+               for a in report["arms"])
+    assert (batch.PREFILL_CHUNK, batch.GROWTH_STEP, batch.SHRINK_SLACK) == before
+    assert "| 16 | 32 |" in capsys.readouterr().out

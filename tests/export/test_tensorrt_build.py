@@ -20,6 +20,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from cuda_stand_in import GPU, fake_cudart
 from test_cli import assert_one_line_error, call_main
 
 from specedge.export.tensorrt import build as trt_build
@@ -53,7 +54,6 @@ from specedge.runtime.bundle import MANIFEST, ModelSpec, graph_io, load_bundle
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 from specedge.runtime.kv_cache import CAPACITY_STEP
 
-GPU = ("NVIDIA Jetson AGX Orin", (8, 7))
 TRT_VERSION = "10.3.0"
 
 
@@ -518,32 +518,6 @@ def test_build_timing_cache_path(bundle, fake_trt, tmp_path):
 
 
 # ---- gpu_identity (cuda-python replaced by a fake) ------------------------------------------
-
-class FakeError:
-    def __init__(self, name):
-        self.name = name
-
-    def __eq__(self, other):
-        return isinstance(other, FakeError) and other.name == self.name
-
-    def __hash__(self):
-        return hash(self.name)
-
-
-def fake_cudart(monkeypatch, count_error="cudaSuccess", count=1):
-    prop = types.SimpleNamespace(name=b"NVIDIA Jetson AGX Orin\0\0\0junk", major=8, minor=7)
-    runtime = types.ModuleType("cuda.bindings.runtime")
-    runtime.cudaError_t = types.SimpleNamespace(cudaSuccess=FakeError("cudaSuccess"))
-    runtime.cudaGetDeviceCount = lambda: (FakeError(count_error), count)
-    runtime.cudaGetDeviceProperties = lambda device: (FakeError("cudaSuccess"), prop)
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.runtime = runtime
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings
-    for name, module in (("cuda", cuda), ("cuda.bindings", bindings),
-                         ("cuda.bindings.runtime", runtime)):
-        monkeypatch.setitem(sys.modules, name, module)
-
 
 def test_gpu_identity(monkeypatch):
     fake_cudart(monkeypatch)

@@ -66,6 +66,21 @@ def test_without_cpu_times_auto_does_not_spin(tmp_path):
     assert cpu_load.spin_now(None, spinning=True) is False
 
 
+def test_the_first_reading_waits_only_for_the_rest_of_its_window():
+    """The caller's own work since the meter was made counts as window (the tokenizer
+    loads meanwhile): with the window gone by, the first choice does not wait."""
+    meter = cpu_load.LoadMeter()
+    assert meter.available
+    time.sleep(0.25)
+    start = time.monotonic()
+    cpu_load.first_choice(meter, seconds=0.2)
+    assert time.monotonic() - start < 0.1
+    meter = cpu_load.LoadMeter()
+    start = time.monotonic()
+    cpu_load.first_choice(meter, seconds=0.2)
+    assert time.monotonic() - start >= 0.19
+
+
 def test_spinning_follows_the_load_with_two_thresholds():
     busy, quiet = cpu_load.BUSY_CORES, cpu_load.QUIET_CORES
     assert cpu_load.spin_now(0.0, spinning=False) is True

@@ -1,0 +1,36 @@
+"""`specedge doctor [--bundle B] [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specedge.doctor.report import gather, render
+from specedge.runtime.errors import BundleError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", type=Path, default=None,
+                   help="also load this bundle on every backend that runs here: its load "
+                   "time and one decoding step's")
+    p.add_argument("--threads", type=int, default=None,
+                   help="ONNX Runtime CPU threads for the bundle (default: one per core)")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; 1 when --bundle loads on no backend here, else 0."""
+    if args.bundle is not None and not args.bundle.is_dir():
+        print(f"specedge doctor: error: --bundle {args.bundle} is not a folder: give a "
+              "bundle written by `specedge export`", file=sys.stderr)
+        return 2
+    try:
+        report = gather(args.bundle, args.threads)
+    except BundleError as e:
+        print(f"specedge doctor: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    bundle = report["bundle"]
+    return 1 if bundle and not any(r["loads"] for r in bundle["backends"]) else 0
