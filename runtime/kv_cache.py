@@ -10,13 +10,12 @@ only `length = n`: stale rows are never read as valid and are overwritten by the
 A portable or batched graph attends over the whole capacity, masked rows included
 (SmolLM2 int8 on 2 cores: a one-token step takes ~20 ms at capacity 256, ~23 at 512 and
 ~25 at 768, at one context length; int4 batched, four rows of one token at 50 rows of
-context: ~19 ms at capacity 64, ~23 at 256, ~32 at 512). So the host cache does not start
+context: ~16 ms at capacity 64, ~20 at 256, ~24 at 512). So the host cache does not start
 at prompt + max_new_tokens: it starts with room for the prompt and grows by GROWTH_STEP
 rows between steps (`grown`, a copy of the rows held: ~46 KB per row for SmolLM2); the
-rows computed do not depend on the capacity, bit for bit
-(tests/runtime/test_batch.py). Device
-caches keep one capacity per generation, a multiple of CAPACITY_STEP (their addresses are
-captured in CUDA graphs and TensorRT contexts, one capture per capacity).
+rows computed do not depend on the capacity, bit for bit (tests/runtime/test_batch.py).
+Device caches keep one capacity per generation, a multiple of CAPACITY_STEP (their
+addresses are captured in CUDA graphs and TensorRT contexts, one capture per capacity).
 """
 
 from __future__ import annotations
