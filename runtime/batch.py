@@ -52,9 +52,9 @@ MAX_BATCHED_TOKENS = 16
 # While other sequences run, a prompt on a batched graph runs in chunks of this many tokens,
 # one chunk a meeting on a row of its own, so that their steps wait for a chunk, not for
 # the whole prompt. SmolLM2 int4, four sequences, chat prompts of 36-43 tokens: the
-# inter-token p99 was ~50 ms with chunks of 16, ~85 with 32 and ~47 with 8, which cost
-# a quarter of the tokens a second (docs/MEASUREMENTS.md, "Batched attention and batched
-# serving").
+# inter-token p99 was 50-63 ms with chunks of 16, 76-99 with 32 and 47-57 with 8; 32
+# gave a tenth more tokens a second than 16, 8 a tenth fewer (docs/MEASUREMENTS.md,
+# "Batched attention and batched serving").
 PREFILL_CHUNK = 16
 # The slots' capacity is cut once this many rows are unused: a long generation's rows,
 # kept, would slow every later call (kv_cache.py); cut at once, a capacity on the edge
