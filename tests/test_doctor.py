@@ -19,6 +19,7 @@ from specedge.doctor.bundle_check import BundleRun, advise
 from specedge.doctor.machine import (
     Cpu,
     Machine,
+    arm_isa_from_hwcap,
     cpu_from_cpuinfo,
     jetson_from,
     memory_from_meminfo,
@@ -82,6 +83,17 @@ def test_a_jetson_orin_and_its_jetpack():
         "NVIDIA Jetson Orin Nano Developer Kit", "36.4.3", "6.2")
     unknown = jetson_from("NVIDIA Jetson AGX Orin", TEGRA.replace("4.3", "9.0"))
     assert unknown.l4t == "36.9.0" and unknown.jetpack is None
+
+
+def test_arm_instruction_sets_from_the_kernels_bits():
+    """Where /proc is not mounted (a chroot, a container) the hardware-capability bits give
+    the same names: a Cortex-A76's (NEON, fp16, dotprod) and a Neoverse V1's (with i8mm,
+    bf16 and SVE)."""
+    assert arm_isa_from_hwcap((1 << 1) | (1 << 10) | (1 << 20), 0) == (
+        "asimd", "asimdhp", "asimddp")
+    assert arm_isa_from_hwcap((1 << 1) | (1 << 20) | (1 << 22), (1 << 13) | (1 << 14)) == (
+        "asimd", "asimddp", "i8mm", "bf16", "sve")
+    assert arm_isa_from_hwcap(0, 0) == ()
 
 
 def test_memory_and_os():

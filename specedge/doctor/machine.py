@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # The instruction sets that decide which kernels ONNX Runtime's CPU provider runs for
@@ -33,6 +33,14 @@ ARM_PARTS = {0xD03: "Cortex-A53", 0xD04: "Cortex-A35", 0xD05: "Cortex-A55",
              0xD0D: "Cortex-A77", 0xD40: "Neoverse V1", 0xD41: "Cortex-A78",
              0xD42: "Cortex-A78AE", 0xD44: "Cortex-X1", 0xD46: "Cortex-A510",
              0xD47: "Cortex-A710", 0xD49: "Neoverse N2", 0xD4F: "Neoverse V2"}
+
+# The same instruction sets on aarch64 as the kernel's hardware-capability bits (getauxval
+# AT_HWCAP and AT_HWCAP2; the kernel's arch/arm64 uapi hwcap.h), which a process reads
+# even where /proc is not mounted (a container, a chroot under emulation).
+ARM_HWCAP = {"asimd": (1, 1 << 1), "asimdhp": (1, 1 << 10), "asimddp": (1, 1 << 20),
+             "sve": (1, 1 << 22), "i8mm": (2, 1 << 13), "bf16": (2, 1 << 14),
+             "sve2": (2, 1 << 1)}
+AT_HWCAP, AT_HWCAP2 = 16, 26
 
 # L4T release (/etc/nv_tegra_release) -> JetPack release, from NVIDIA's JetPack archive.
 JETPACK = {"36.4.4": "6.2.1", "36.4.3": "6.2", "36.4.0": "6.1", "36.3.0": "6.0",
@@ -122,6 +130,25 @@ def _arm_model(procs: list[dict[str, str]]) -> str:
     return " + ".join(f"{n}x {name}" for name, n in names.items()) or "unknown ARM CPU"
 
 
+def arm_isa_from_hwcap(hwcap: int, hwcap2: int) -> tuple[str, ...]:
+    """ARM_ISA's names of the bits set in AT_HWCAP and AT_HWCAP2."""
+    words = {1: hwcap, 2: hwcap2}
+    return tuple(f for f in ARM_ISA if words[ARM_HWCAP[f][0]] & ARM_HWCAP[f][1])
+
+
+def _hwcaps() -> tuple[int, int] | None:
+    """This process's AT_HWCAP and AT_HWCAP2 (glibc's getauxval), None where unreadable."""
+    try:
+        import ctypes
+
+        getauxval = ctypes.CDLL(None).getauxval
+        getauxval.restype = ctypes.c_ulong
+        getauxval.argtypes = [ctypes.c_ulong]
+        return int(getauxval(AT_HWCAP)), int(getauxval(AT_HWCAP2))
+    except (OSError, AttributeError):
+        return None
+
+
 def memory_from_meminfo(text: str) -> tuple[int | None, int | None]:
     """(total, available) megabytes from /proc/meminfo's `text`."""
     values = {}
@@ -168,8 +195,17 @@ def read_machine() -> Machine:
         cpu = cpu_from_cpuinfo(cpuinfo, arch, usable)
     else:
         logical = os.cpu_count() or 1
-        cpu = Cpu(arch, platform.processor() or arch, logical, usable, logical, ())
+        cpu = Cpu(arch, platform.processor() or f"unknown {arch} CPU", logical, usable,
+                  logical, ())
+    hwcaps = _hwcaps() if arch in ("aarch64", "arm64") else None
+    if hwcaps and not cpu.isa:  # no /proc: the kernel's bits say the same
+        cpu = replace(cpu, isa=arm_isa_from_hwcap(*hwcaps))
     total, available = memory_from_meminfo(_read("/proc/meminfo") or "")
+    if total is None:
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+        except (ValueError, OSError):
+            pass
     board = _read("/proc/device-tree/model")
     return Machine(cpu, total, available, os_name(_read("/etc/os-release")),
                    platform.release(), board, jetson_from(board, _read("/etc/nv_tegra_release")))
