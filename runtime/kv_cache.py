@@ -40,12 +40,15 @@ def zeroed(shape: tuple[int, ...], dtype: np.dtype = np.float32) -> np.ndarray:
     kernel to back an array of 4 MB or more with transparent huge pages, and the first
     write to one may wait while the kernel compacts memory for it: caches allocated
     between two steps took 35-70 ms instead of 4 (SmolLM2, four slots of 256 rows). A
-    plain anonymous mapping comes zeroed, page by page as it is written."""
+    private anonymous mapping comes zeroed, page by page as it is written (numpy's own
+    allocation where the platform has none, or for less than a page)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape))
-    if count * dtype.itemsize < mmap.PAGESIZE:
+    private = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+    if count * dtype.itemsize < mmap.PAGESIZE or None in private:
         return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype, count).reshape(shape)
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=private[0] | private[1])
+    return np.frombuffer(memory, dtype, count).reshape(shape)
 
 
 def check_room(length: int, t: int, capacity: int) -> None:

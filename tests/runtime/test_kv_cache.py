@@ -3,12 +3,14 @@ fresh run; capacity arithmetic."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.kv_cache import CAPACITY_STEP, KVCache, SlotCaches, capacity_for
+from specedge.runtime.kv_cache import CAPACITY_STEP, KVCache, SlotCaches, capacity_for, zeroed
 
 
 @pytest.fixture(scope="module", params=["portable", "fused"])
@@ -123,3 +125,19 @@ def test_slot_caches_resize_keeps_every_slots_rows_both_ways():
             assert all(k.base is caches.planes for k in slot.keys + slot.values)
     with pytest.raises(ValueError, match="holds 5 rows"):
         caches.resize(4)
+
+
+def test_zeroed_buffers_are_private_zeros():
+    """Cache buffers (`zeroed`) start at zero, take writes, and stay the process's own: a
+    forked child's write does not reach them (a shared mapping would)."""
+    small, large = zeroed((3, 4)), zeroed((8, 1024, 256))
+    assert small.shape == (3, 4) and not small.any() and large.dtype == np.float32
+    assert not large.any()
+    large[1, 2, 3] = 5.0
+    assert large.sum() == 5.0
+    pid = os.fork()
+    if pid == 0:  # the child
+        large[0, 0, 0] = 7.0
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert large[0, 0, 0] == 0.0
