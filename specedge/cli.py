@@ -2,7 +2,7 @@
 gpu-check.
 
 Each command imports only what it needs, so `specedge generate`, `specedge chat`,
-`specedge serve` and `specedge build` run where torch is absent.
+`specedge serve`, `specedge doctor` and `specedge build` run where torch is absent.
 """
 
 from __future__ import annotations

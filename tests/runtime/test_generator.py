@@ -267,17 +267,19 @@ def test_lookup_then_model_uses_lookup_only_for_matches_of_two_tokens_or_more():
 
 def test_auto_keeps_lookup_and_model_drafts_apart(gen, monkeypatch):
     """A lookup that matched two tokens and the draft model are accepted at different
-    rates per position: auto measures them as two sources, with one v(T) (the target's
-    cost does not depend on who drafted), and the tokens stay exact. Which K auto picks
-    follows measured times, so the test records the T each source verified and checks
-    that the one shared v(T) holds exactly the T of both."""
+    rates per position: auto measures them as two sources, each counting only its own
+    steps, with one v(T) (the target's cost does not depend on who drafted), and the
+    tokens stay exact. Which K auto picks follows measured times, so the test records the
+    steps each source observed and the T it verified, and checks the counts against them."""
     from specedge.runtime.drafting.auto_k import StepHistory
 
     verified: dict[int, set[int]] = {}
+    observed: dict[int, list[tuple[int, int]]] = {}
     observe = StepHistory.observe
 
     def recording(self, drafted, accepted, *args, **kwargs):
         verified.setdefault(id(self), set()).add(drafted + 1)
+        observed.setdefault(id(self), []).append((drafted, accepted))
         return observe(self, drafted, accepted, *args, **kwargs)
 
     monkeypatch.setattr(StepHistory, "observe", recording)
@@ -293,7 +295,11 @@ def test_auto_keeps_lookup_and_model_drafts_apart(gen, monkeypatch):
     assert lookup.steps + model.steps == spec.stats["target_calls"]
     assert lookup.verify is model.verify
     assert set(lookup.verify) == verified[id(lookup)] | verified[id(model)]
-    assert lookup.total_tries != model.total_tries
+    for history in (lookup, model):
+        mine = observed[id(history)]
+        assert len(mine) == history.steps
+        assert history.total_tries[0] == sum(drafted > 0 for drafted, _ in mine)
+        assert history.total_accepts[0] == sum(accepted > 0 for _, accepted in mine)
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_last_match():
