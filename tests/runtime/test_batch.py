@@ -236,9 +236,9 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
 
 
 def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypatch):
-    """A sequence of 180 rows raises the slots' capacity to 192; once it ends, the next
-    call cuts it back to what the short sequence left running needs (64 rows), whose greedy
-    tokens still equal its plain decoding alone."""
+    """A sequence of 180 rows raises the slots' capacity to 192; once it has left, the next
+    sequence's first call cuts it back to what that one needs (64 rows), and its greedy
+    tokens equal its plain decoding alone."""
     gen = Generator.from_bundle(batched_bundles["int4"])
     long_ids = np.random.default_rng(5).integers(3, 34, 170).tolist()
     short_ids = gen.encode_prompt(PROMPTS[0], raw=True)
@@ -251,26 +251,21 @@ def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypa
         return resize(self, capacity)
 
     monkeypatch.setattr(SlotCaches, "resize", spy)
-    session, got, started = BatchSession(gen, 2), [], threading.Event()
+    session = BatchSession(gen, 2)
 
-    def run_short() -> None:
-        pieces = session.run(short_ids, GenerationConfig(max_new_tokens=40, use_draft=False))
+    def run(ids: list[int], n: int) -> list[int]:
+        pieces = session.run(ids, GenerationConfig(max_new_tokens=n, use_draft=False))
         try:
             while True:
                 next(pieces)
-                started.set()
         except StopIteration as done:
-            got.append(done.value.token_ids)
+            return done.value.token_ids
 
-    short = threading.Thread(target=run_short)
-    short.start()
-    assert started.wait(60)
-    for _ in session.run(long_ids, GenerationConfig(max_new_tokens=10, use_draft=False)):
-        pass
-    short.join(60)
-    assert got == [want]
-    assert 192 in capacities and capacities[-1] == GROWTH_STEP, capacities
-    assert capacities.index(192) < len(capacities) - 1
+    run(long_ids, 10)
+    assert capacities[-1] == 192, capacities
+    capacities.clear()
+    assert run(short_ids, 40) == want
+    assert capacities == [GROWTH_STEP], capacities
 
 
 def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
