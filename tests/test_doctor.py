@@ -26,6 +26,7 @@ from specedge.doctor.machine import (
     os_name,
 )
 from specedge.doctor.software import BackendStatus
+from specedge.runtime.bundle import load_bundle
 
 X86 = "\n\n".join(f"""processor\t: {i}
 vendor_id\t: AuthenticAMD
@@ -145,7 +146,8 @@ def test_advice_takes_the_fastest_backend_that_loaded():
 
 
 def test_advice_names_a_bundle_of_another_precision(tiny_bundle):
-    advice = advise(MACHINE, [BackendStatus("ort-cpu", True, "")], None, tiny_bundle)
+    advice = advise(MACHINE, [BackendStatus("ort-cpu", True, "")], None,
+                    load_bundle(tiny_bundle))
     assert advice.backend == "ort-cpu"
     assert any("this bundle is fp32: re-export it with --precision int4" in reason
                for reason in advice.why), advice.why

@@ -24,6 +24,7 @@ import numpy as np
 
 from specedge.prompts import load_prompts
 from specedge.runtime import Generator
+from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.batch import BatchGenerator, BatchRequest, prefill_chunks
 from specedge.runtime.config import GenerationConfig
 
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"({rows[-1]['settings']}, drafted {rows[-1]['drafted']})")
     report = {"bundle": str(args.bundle), "max_batch": args.max_batch, "rows": rows,
               "all_same": all(r["same"] for r in rows), "chunked_prefill_same": chunks_same}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write(args.out, json.dumps(report, indent=2) + "\n")
     print(f"{sum(r['same'] for r in rows)} of {len(rows)} the same; wrote {args.out}")
     return report
 

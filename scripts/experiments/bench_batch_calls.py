@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.batch import MAX_BATCHED_TOKENS
 from specedge.runtime.bundle import load_bundle
@@ -71,8 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["shapes"].append({"rows": b, "tokens": t, "ms": ms, "ratio": ratio,
                                  "rounds_ms": times[b, t]})
         print(f"| {b} x {t} | {ms:.2f} | {ratio:.2f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write(args.out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return report
 

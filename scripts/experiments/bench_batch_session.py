@@ -24,6 +24,7 @@ import numpy as np
 
 from specedge.prompts import load_prompts
 from specedge.runtime import Generator, batch
+from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.batch import BatchSession
 from specedge.runtime.config import GenerationConfig
 
@@ -112,8 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                                "itl_p50_ms": p50, "itl_p99_ms": p99})
         print(f"| {arm[0]} | {arm[1]} | {statistics.median(rates):.1f} | {ratio:.2f} | "
               f"{p50:.1f} | {p99:.1f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write(args.out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return report
 

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from specedge.runtime.atomic_files import atomic_write
+
 CHILD = r"""
 import json, sys, time
 import specedge.runtime
@@ -112,8 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["median"][what][part] = statistics.median(values)
             print(f"| {what} | {part} | {statistics.median(values):.2f} | {min(values):.2f} | "
                   f"{max(values):.2f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write(args.out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return report
 

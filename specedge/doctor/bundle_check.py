@@ -11,12 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from specedge.doctor.machine import Machine
 from specedge.doctor.software import BackendStatus
 from specedge.runtime import Generator
-from specedge.runtime.bundle import load_bundle
+from specedge.runtime.bundle import Bundle
 from specedge.runtime.errors import BackendUnavailableError, BundleError
 
 STEPS = 8
@@ -36,7 +35,7 @@ class BundleRun:
     step_ms: float | None = None     # one plain decoding step (module docstring)
 
 
-def try_backend(bundle: Path, backend: str, threads: int | None) -> BundleRun:
+def try_backend(bundle: Bundle, backend: str, threads: int | None) -> BundleRun:
     """Load `bundle` on `backend` and time its load and a plain step."""
     start = time.perf_counter()
     try:
@@ -54,7 +53,7 @@ def try_backend(bundle: Path, backend: str, threads: int | None) -> BundleRun:
     return BundleRun(backend, True, None, loaded, step)
 
 
-def check_bundle(bundle: Path, statuses: list[BackendStatus],
+def check_bundle(bundle: Bundle, statuses: list[BackendStatus],
                  threads: int | None) -> list[BundleRun]:
     """Every backend that runs here, tried with `bundle`; the others with their reason."""
     return [try_backend(bundle, s.name, threads) if s.runs else BundleRun(s.name, False, s.why)
@@ -73,7 +72,7 @@ class Advice:
 
 
 def advise(machine: Machine, statuses: list[BackendStatus], runs: list[BundleRun] | None,
-           bundle: Path | None) -> Advice:
+           bundle: Bundle | None) -> Advice:
     """The backend, threads and precision to run with here, each with its reason."""
     why = []
     usable = {s.name for s in statuses if s.runs}
@@ -106,7 +105,7 @@ def advise(machine: Machine, statuses: list[BackendStatus], runs: list[BundleRun
         why.append(f"precision int4: the fewest bytes a token on the CPU (int8 dot products: "
                    f"{dots}); specedge export ... --precision int4")
     if bundle is not None:
-        have = load_bundle(bundle).manifest.get("precision")
+        have = bundle.manifest.get("precision")
         if have and have != precision and backend in ("ort-cpu", "ort-cuda"):
             why.append(f"this bundle is {have}: re-export it with --precision {precision}")
     return Advice(backend, threads, precision, why)

@@ -9,14 +9,17 @@ from pathlib import Path
 from specedge.doctor import software
 from specedge.doctor.bundle_check import advise, check_bundle
 from specedge.doctor.machine import read_machine
+from specedge.runtime.bundle import load_bundle
 
 
 def gather(bundle: Path | None = None, threads: int | None = None) -> dict:
-    """Everything the report says about this device (and `bundle` on it)."""
+    """Everything the report says about this device (and `bundle` on it); BundleError for
+    a bundle that cannot be read."""
+    loaded = load_bundle(bundle) if bundle is not None else None
     machine = read_machine()
     statuses = software.backend_statuses()
-    runs = check_bundle(bundle, statuses, threads) if bundle is not None else None
-    advice = advise(machine, statuses, runs, bundle)
+    runs = check_bundle(loaded, statuses, threads) if loaded is not None else None
+    advice = advise(machine, statuses, runs, loaded)
     return {
         "machine": machine.as_dict(),
         "versions": software.versions(),
