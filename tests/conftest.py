@@ -2,6 +2,9 @@
 
 The SmolLM2 bundle is exported once into the specedge cache (SPECEDGE_CACHE or
 ~/.cache/specedge) and reused by later runs: `export_bundle` skips an up-to-date bundle.
+The tiny bundles are exported per run, or read from the folder SPECEDGE_TEST_BUNDLES names
+(tests/tiny_bundles.py): then nothing here imports torch or the export side, so that the
+runtime tests run where only the runtime is installed.
 """
 
 from __future__ import annotations
@@ -14,31 +17,41 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import save_tiny  # noqa: E402
-
-from specedge.export.bundle_writer import export_bundle  # noqa: E402
-from specedge.export.sources import cache_dir  # noqa: E402
+from tiny_bundles import export_tiny, prebuilt_bundle, prebuilt_folder, save_checkpoints  # noqa: E402
 
 # The distilled drafts shipped in drafts/ (made by `specedge distill`, see docs/distill.md).
 SMOLLM2_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m"
 SMOLLM2_FEATURE_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-feature"
 
 
+def smollm2(name: str, **arguments) -> Path:
+    """SmolLM2-135M-Instruct exported with `arguments` into the cache's bundles/NAME (once)."""
+    from specedge.export.bundle_writer import export_bundle
+    from specedge.export.sources import cache_dir
+
+    out = cache_dir() / "bundles" / name
+    export_bundle("smollm2-135m", out, **arguments)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("checkpoints")
-    checkpoints = {arch: save_tiny(root / arch, arch)
-                   for arch in ("llama", "qwen2", "mistral", "gpt2")}
-    checkpoints["llama-h16"] = save_tiny(root / "llama-h16", "llama", hidden_size=64)
-    return checkpoints
+    return save_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+def tiny(name: str, request, tmp_path_factory) -> Path:
+    """The tiny bundle `name`: read from SPECEDGE_TEST_BUNDLES, or exported for this run."""
+    folder = prebuilt_folder()
+    if folder is not None:
+        return prebuilt_bundle(folder, name)
+    checkpoints = request.getfixturevalue("tiny_checkpoints")
+    return export_tiny(name, checkpoints, tmp_path_factory.mktemp("bundles") / name)
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+def tiny_bundle(request, tmp_path_factory) -> Path:
     """Tiny Llama target (2 layers) with its first layer as the draft."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny"
-    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1)
-    return out
+    return tiny("tiny", request, tmp_path_factory)
 
 
 @pytest.fixture
@@ -54,66 +67,50 @@ def own_tiny_bundle(tiny_bundle, tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_portable_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+def tiny_portable_bundle(request, tmp_path_factory) -> Path:
     """The tiny Llama with a 1-layer draft on the portable attention layout ("bhsd-fixed"),
     which batched decoding takes too (exact at fp32)."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny-portable"
-    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="portable")
-    return out
+    return tiny("tiny-portable", request, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def tiny_batched_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+def tiny_batched_bundle(request, tmp_path_factory) -> Path:
     """The tiny Llama with a 1-layer draft on batched attention (KV layout "bhsd-inplace",
     several rows of several tokens a call): what batched decoding is exported for."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny-batched"
-    export_bundle(str(tiny_checkpoints["llama"]), out, draft_layers=1, attention="batched")
-    return out
+    return tiny("tiny-batched", request, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def tiny_fused_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+def tiny_fused_bundle(request, tmp_path_factory) -> Path:
     """`tiny_bundle` on GroupQueryAttention (head size 16): KV layout "bhsd-inplace"."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny-fused"
-    export_bundle(str(tiny_checkpoints["llama-h16"]), out, draft_layers=1, attention="fused")
-    return out
+    return tiny("tiny-fused", request, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def tiny_self_draft_bundle(tiny_checkpoints, tmp_path_factory) -> Path:
+def tiny_self_draft_bundle(request, tmp_path_factory) -> Path:
     """Draft == target: every draft token must be accepted."""
-    out = tmp_path_factory.mktemp("bundles") / "tiny-self"
-    export_bundle(str(tiny_checkpoints["llama"]), out, draft=str(tiny_checkpoints["llama"]))
-    return out
+    return tiny("tiny-self", request, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def smollm2_bundle() -> Path:
-    out = cache_dir() / "bundles" / "smollm2-fp32"
-    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_DRAFT))
-    return out
+    return smollm2("smollm2-fp32", draft=str(SMOLLM2_DRAFT))
 
 
 @pytest.fixture(scope="session")
 def smollm2_int8_bundle() -> Path:
-    out = cache_dir() / "bundles" / "smollm2-int8"
-    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_DRAFT), precision="int8")
-    return out
+    return smollm2("smollm2-int8", draft=str(SMOLLM2_DRAFT), precision="int8")
 
 
 @pytest.fixture(scope="session")
 def smollm2_int4_feature_bundle() -> Path:
     """The bundle `scripts/demo.sh` makes and the README recommends: int4, feature draft."""
-    out = cache_dir() / "bundles" / "smollm2-feature-int4"
-    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_FEATURE_DRAFT), precision="int4")
-    return out
+    return smollm2("smollm2-feature-int4", draft=str(SMOLLM2_FEATURE_DRAFT), precision="int4")
 
 
 @pytest.fixture(scope="session")
 def smollm2_feature_bundle() -> Path:
-    out = cache_dir() / "bundles" / "smollm2-feature-fp32"
-    export_bundle("smollm2-135m", out, draft=str(SMOLLM2_FEATURE_DRAFT))
-    return out
+    return smollm2("smollm2-feature-fp32", draft=str(SMOLLM2_FEATURE_DRAFT))
 
 
 @pytest.fixture(scope="session")

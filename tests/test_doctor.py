@@ -4,6 +4,7 @@ command on this machine, with and without a bundle."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import subprocess
@@ -141,6 +142,12 @@ def test_advice_takes_the_fastest_backend_that_loaded():
                     None)
     assert (advice.backend, advice.precision) == ("ort-cpu", "int4")
     assert any("dotprod" in reason for reason in advice.why)
+    assert any("on aarch64 greedy speculative output can part" in reason
+               for reason in advice.why)
+    x86 = dataclasses.replace(MACHINE, cpu=Cpu("x86_64", "AMD EPYC", 2, 2, 2, ("avx512_vnni",)))
+    advice = advise(x86, statuses, runs[:1], None)
+    assert advice.precision == "int4"
+    assert not any("aarch64" in reason for reason in advice.why)
     no_bundle = advise(MACHINE, statuses, None, None)
     assert no_bundle.backend == "tensorrt"
 

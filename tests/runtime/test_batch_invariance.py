@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from batch_rows import steps_against_one_call
 from tiny_models import GEMMA_ARCHITECTURES, MORE_ARCHITECTURES, save_tiny_gemma, save_tiny_more
 
 from specedge.export.bundle_writer import export_bundle
@@ -20,18 +21,6 @@ from specedge.prompts import load_prompts
 from specedge.runtime import Generator
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import load_bundle
-
-
-def steps_against_one_call(backend: OrtCpuBackend, prompt: list[int], new: list[int]
-                           ) -> float:
-    """Max |logit| difference between one len(new)-token call and len(new) one-token steps
-    after the same prompt."""
-    one = backend.new_cache(len(prompt) + len(new))
-    backend.forward(one, prompt, 1)
-    singles = np.stack([backend.forward(one, [t], 1)[-1].copy() for t in new])
-    many = backend.new_cache(len(prompt) + len(new))
-    backend.forward(many, prompt, 1)
-    return float(np.abs(backend.forward(many, new, len(new)) - singles).max())
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
