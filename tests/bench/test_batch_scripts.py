@@ -1,6 +1,6 @@
-"""scripts/experiments/batch_exactness.py, bench_batch_calls.py and bench_batch_session.py
-on the tiny batched bundle: the checks and figures they report are the ones the runtime
-gives."""
+"""scripts/experiments/batch_exactness.py, bench_batch_calls.py, bench_batch_session.py and
+serve_overhead.py on the tiny batched bundle: the checks and figures they report are the
+ones the runtime gives."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
 import batch_exactness  # noqa: E402
 import bench_batch_calls  # noqa: E402
 import bench_batch_session  # noqa: E402
+import serve_overhead  # noqa: E402
 
 from specedge.runtime import batch  # noqa: E402
 
@@ -58,3 +59,25 @@ def test_bench_batch_session_takes_each_setting_in_turn(tiny_batched_bundle, tmp
                for a in report["arms"])
     assert (batch.PREFILL_CHUNK, batch.GROWTH_STEP, batch.SHRINK_SLACK) == before
     assert "| 16 | 32 |" in capsys.readouterr().out
+
+
+def test_serve_overhead_counts_the_same_tokens_in_process_and_through_the_server(
+        tiny_batched_bundle, tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    report = serve_overhead.main(["--bundle", str(tiny_batched_bundle), "--max-batch", "2",
+                                  "--concurrency", "2", "--prompts", "3", "--tokens", "8",
+                                  "--rounds", "2", "--threads", "1", "--switch-intervals",
+                                  "0.001", "--calls", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    systems = [row["system"] for row in report["rows"]]
+    assert systems == ["in-process", "server whole", "server streamed",
+                       "server switch 1 ms whole", "server switch 1 ms streamed"]
+    # Greedy, the same prompts: every system decodes the same number of tokens each round.
+    counts = {run["tokens"] for runs in report["runs"].values() for run in runs}
+    assert len(counts) == 1 and counts.pop() > 0
+    assert report["rows"][0]["ratio_to_in_process"] == 1.0
+    assert all(row["server_cpu_per_token_ms"] > 0 for row in report["rows"][1:])
+    calls = report["calls"]["calls"]
+    assert any(kind.startswith("target prompt chunk") for kind in calls)
+    assert any(kind.startswith("target 2 rows x") for kind in calls)
+    assert "model calls" in capsys.readouterr().out
