@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -107,29 +106,10 @@ def ask(client: httpx.Client, url: str, prompt: str, tokens: int, stream: bool) 
 
 
 def threaded(prompts: list[str], concurrency: int, answer) -> int:
-    """`answer(prompt)` for every prompt from `concurrency` threads; the tokens summed."""
-    jobs: queue.Queue = queue.Queue()
-    for p in prompts:
-        jobs.put(p)
-    total = [0]
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            try:
-                prompt = jobs.get_nowait()
-            except queue.Empty:
-                return
-            n = answer(prompt)
-            with lock:
-                total[0] += n
-
-    workers = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return total[0]
+    """`answer(prompt)` for every prompt from `concurrency` threads, each taking the next
+    prompt when its answer ends; the tokens summed."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(pool.map(answer, prompts))
 
 
 def http_round(server: Server, prompts: list[str], concurrency: int, tokens: int,
