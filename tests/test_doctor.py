@@ -130,7 +130,7 @@ MACHINE = Machine(Cpu("aarch64", "6x Cortex-A78AE", 6, 4, 6, ("asimd", "asimddp"
                   7857, 6144, "Ubuntu 22.04.5 LTS", "5.15.148-tegra", None, None)
 
 
-def test_advice_takes_the_fastest_backend_that_loaded():
+def test_advice_takes_the_fastest_backend_that_loaded(tiny_batched_bundle):
     statuses = [BackendStatus("ort-cpu", True, ""), BackendStatus("tensorrt", True, ""),
                 BackendStatus("host-emulated", True, "")]
     runs = [BundleRun("ort-cpu", True, None, 1.0, 30.0), BundleRun("tensorrt", True, None,
@@ -144,6 +144,8 @@ def test_advice_takes_the_fastest_backend_that_loaded():
     assert any("dotprod" in reason for reason in advice.why)
     assert any("on aarch64 greedy speculative output can part" in reason
                for reason in advice.why)
+    batched = advise(MACHINE, statuses, runs[:1], load_bundle(tiny_batched_bundle))
+    assert not any("aarch64" in reason for reason in batched.why)
     x86 = dataclasses.replace(MACHINE, cpu=Cpu("x86_64", "AMD EPYC", 2, 2, 2, ("avx512_vnni",)))
     advice = advise(x86, statuses, runs[:1], None)
     assert advice.precision == "int4"

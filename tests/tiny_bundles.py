@@ -24,6 +24,8 @@ TINY_BUNDLES: dict[str, tuple[str, dict]] = {
     "tiny-portable": ("llama", dict(draft_layers=1, attention="portable")),
     # Batched attention (KV layout "bhsd-inplace", several rows of several tokens a call).
     "tiny-batched": ("llama", dict(draft_layers=1, attention="batched")),
+    "tiny-batched-int4": ("llama-h16", dict(draft_layers=1, attention="batched",
+                                            precision="int4")),
     # GroupQueryAttention (head size 16), at each precision.
     "tiny-fused": ("llama-h16", dict(draft_layers=1, attention="fused")),
     "tiny-fused-int8": ("llama-h16", dict(draft_layers=1, attention="fused", precision="int8")),

@@ -104,11 +104,15 @@ def advise(machine: Machine, statuses: list[BackendStatus], runs: list[BundleRun
         dots = ", ".join(cpu.int8_dot) or "none: ONNX Runtime dequantizes to float"
         why.append(f"precision int4: the fewest bytes a token on the CPU (int8 dot products: "
                    f"{dots}); specedge export ... --precision int4")
-        if cpu.arch == "aarch64":
-            # ONNX Runtime's aarch64 kernels compute a row of a many-row call apart from a
-            # two-row call, which int8 activations grow to a logit (docs/design.md#on-aarch64).
+        batched = bundle is not None and \
+            bundle.manifest["models"]["target"].get("attention") == "batched"
+        if cpu.arch == "aarch64" and not batched:
+            # ONNX Runtime's aarch64 GroupQueryAttention computes a row of a many-row call
+            # apart from a two-row call, which int8 activations grow to a logit; batched
+            # attention keeps them equal (docs/design.md#on-aarch64).
             why.append("on aarch64 greedy speculative output can part from plain decoding at a "
-                       "near tie with int8/int4 weights: fp32 where it must not")
+                       "near tie with int8/int4 weights on fused attention: export with "
+                       "--attention batched where it must not")
     if bundle is not None:
         have = bundle.manifest.get("precision")
         if have and have != precision and backend in ("ort-cpu", "ort-cuda"):
