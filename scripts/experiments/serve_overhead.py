@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from bench_serve import ServerProcess, free_port
 
 from specedge.bench.intervals import ratio_ci
 from specedge.prompts import load_prompts
@@ -50,39 +49,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+def start_server(bundle: Path, threads: int, max_batch: int, switch: float | None,
+                 logs: Path) -> ServerProcess:
     """`specedge serve --max-batch N`, with the interpreter's switch interval set first."""
-
-    def __init__(self, bundle: Path, threads: int, max_batch: int, switch: float | None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        setup = f"import sys; sys.setswitchinterval({switch}); " if switch else ""
-        code = setup + "from specedge.cli import main; main(sys.argv[1:])"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; " + code, "serve", "--bundle", str(bundle),
-             "--port", str(self.port), "--threads", str(threads), "--max-batch", str(max_batch),
-             "--max-queue", "256", "--model-name", "bench", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("specedge serve did not start")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+    port = free_port()
+    setup = f"sys.setswitchinterval({switch}); " if switch else ""
+    code = f"import sys; {setup}from specedge.cli import main; main(sys.argv[1:])"
+    return ServerProcess(
+        f"specedge serve (switch {switch})", [
+            sys.executable, "-c", code, "serve", "--bundle", str(bundle), "--port", str(port),
+            "--threads", str(threads), "--max-batch", str(max_batch), "--max-queue", "256",
+            "--model-name", "bench", "--log-level", "warning"],
+        port, "/health", logs / f"serve-{port}.log")
 
 
 def ask(client: httpx.Client, url: str, prompt: str, tokens: int, stream: bool) -> int:
@@ -112,7 +90,7 @@ def threaded(prompts: list[str], concurrency: int, answer) -> int:
         return sum(pool.map(answer, prompts))
 
 
-def http_round(server: Server, prompts: list[str], concurrency: int, tokens: int,
+def http_round(server: ServerProcess, prompts: list[str], concurrency: int, tokens: int,
                stream: bool) -> dict:
     url = server.url + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=concurrency)
@@ -202,10 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     n = min(args.prompts, len(shipped))
     prompts = [shipped[k * len(shipped) // n]["prompt"] for k in range(n)]
     gen = Generator.from_bundle(args.bundle, threads=args.threads)
-    servers = {"server": Server(args.bundle, args.threads, args.max_batch, None)}
+    logs = args.out.parent / "serve_overhead_logs"
+    servers = {"server": start_server(args.bundle, args.threads, args.max_batch, None, logs)}
     for s in args.switch_intervals:
-        servers[f"server switch {s * 1000:g} ms"] = Server(args.bundle, args.threads,
-                                                           args.max_batch, s)
+        servers[f"server switch {s * 1000:g} ms"] = start_server(
+            args.bundle, args.threads, args.max_batch, s, logs)
     systems = ["in-process"]
     for name in servers:
         systems += [f"{name} whole", f"{name} streamed"]
