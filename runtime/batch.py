@@ -46,6 +46,7 @@ from specedge.runtime.drafting import ModelDrafter
 from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import GROWTH_STEP, SlotCaches, capacity_for
+from specedge.runtime.pieces import Piece
 
 # A call of more tokens than this is a prompt: it runs on its own row, not padding others.
 MAX_BATCHED_TOKENS = 16
@@ -289,8 +290,8 @@ class BatchSession:
 
     def run(self, prompt_ids: list[int], config: GenerationConfig,
             cancel: threading.Event | None = None
-            ) -> PieceGenerator[str, None, GenerationResult]:
-        """One generation's text pieces, as `Generator.stream` yields them, with the others
+            ) -> PieceGenerator[Piece, None, GenerationResult]:
+        """One generation's pieces, as `Generator.stream_pieces` yields them, with the others
         running; returns its GenerationResult (StopIteration.value). BatchFull when every
         slot is taken."""
         with self._lock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Generator as PieceGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +24,9 @@ from specedge.runtime.drafting import (
 )
 from specedge.runtime.drafting.auto_k import Histories
 from specedge.runtime.kv_cache import GROWTH_STEP, capacity_for
-from specedge.runtime.loop import GenerationState, decode
+from specedge.runtime.loop import GenerationState, Step, decode
+from specedge.runtime.pieces import Piece, PieceMaker
 from specedge.runtime.stats import StepClock, summarize
-from specedge.runtime.stop_strings import StopStringHoldback
 from specedge.runtime.text import TextCodec
 
 
@@ -83,20 +83,19 @@ class _Outcome:
     reason: str = "max_new_tokens"
 
 
-def _until_eos_or_cancel(chunks: Iterator[list[int]], eos: set[int],
-                         cancel: threading.Event | None,
-                         outcome: _Outcome) -> Iterator[list[int]]:
-    """The loop's chunks of new tokens, cut before the first end-of-sequence token, or ended
-    after the step during which `cancel` was set."""
-    for chunk in chunks:
-        for i, token in enumerate(chunk):
+def _until_eos_or_cancel(steps: Iterator[Step], eos: set[int],
+                         cancel: threading.Event | None, outcome: _Outcome) -> Iterator[Step]:
+    """The loop's steps, the last one's tokens cut before the first end-of-sequence token,
+    or ended after the step during which `cancel` was set."""
+    for step in steps:
+        for i, token in enumerate(step.new):
             if token in eos:
-                outcome.tokens.extend(chunk[:i + 1])
+                outcome.tokens.extend(step.new[:i + 1])
                 outcome.reason = "eos"
-                yield chunk[:i]
+                yield replace(step, new=step.new[:i])
                 return
-        outcome.tokens.extend(chunk)
-        yield chunk
+        outcome.tokens.extend(step.new)
+        yield step
         if cancel is not None and cancel.is_set():
             outcome.reason = "cancelled"
             return
@@ -222,8 +221,9 @@ class Generator:
                messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
                config: GenerationConfig | None = None,
                cancel: threading.Event | None = None, **settings) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted; `self.last_result` then holds the result
-        (the last generation's to finish, on any thread).
+        """Yield text pieces as tokens are accepted, one a speculative step (the tokens a
+        step accepts arrive together); `self.last_result` then holds the result (the last
+        generation's to finish, on any thread).
 
         Exactly one of `prompt` (chat-templated unless `raw` or the bundle has no template),
         `prompt_ids` or `messages`. The settings are a `GenerationConfig` (`config`), its
@@ -234,12 +234,27 @@ class Generator:
         the step that is running when it is set (stop reason "cancelled"). Nothing is
         checked or run before the first piece is asked for.
         """
+        for piece in self.stream_pieces(prompt, prompt_ids=prompt_ids, messages=messages,
+                                        raw=raw, config=config, cancel=cancel, **settings):
+            if piece.text:
+                yield piece.text
+
+    def stream_pieces(self, prompt: str | None = None, *,
+                      prompt_ids: Sequence[int] | None = None,
+                      messages: Sequence[dict[str, str]] | None = None, raw: bool = False,
+                      config: GenerationConfig | None = None,
+                      cancel: threading.Event | None = None, **settings
+                      ) -> PieceGenerator[Piece, None, GenerationResult]:
+        """`stream`, one `Piece` a speculative step: its text, the kind of each of its
+        tokens (an accepted draft, or the target's own) and the steps it completes
+        (runtime/pieces.py); returns the GenerationResult (StopIteration.value)."""
         ids = self.encode_prompt(prompt, prompt_ids, messages, raw)
-        yield from self._generation(ids, GenerationConfig.of(config, **settings), cancel)
+        return (yield from self._generation(ids, GenerationConfig.of(config, **settings),
+                                            cancel))
 
     def _generation(self, ids: list[int], config: GenerationConfig,
                     cancel: threading.Event | None
-                    ) -> PieceGenerator[str, None, GenerationResult]:
+                    ) -> PieceGenerator[Piece, None, GenerationResult]:
         """One generation's pieces, once the generator is free; returns the result
         (StopIteration.value)."""
         if self._owner == threading.get_ident():
@@ -259,7 +274,7 @@ class Generator:
 
     def _run(self, ids: list[int], config: GenerationConfig,
              cancel: threading.Event | None, row: RowModels | None = None
-             ) -> PieceGenerator[str, None, GenerationResult]:
+             ) -> PieceGenerator[Piece, None, GenerationResult]:
         """One generation; the caller holds the lock. `row`: one sequence of several
         decoded together (runtime/batch.py), on the models and cache slot it gives, or
         None: on the generator's own."""
@@ -282,20 +297,21 @@ class Generator:
                                     capacity_for(len(ids) + config.max_new_tokens, limit))
             chunks = decode(state, ids, row.histories, self._model_seconds)
         outcome = _Outcome()
-        tokens = _until_eos_or_cancel(chunks, set(self.bundle.eos_token_ids), cancel, outcome)
-        holdback = StopStringHoldback(config.stops)
-        for piece in self.codec.stream(tokens):
-            if shown := holdback.feed(piece):
-                yield shown
-            if holdback.stopped:
+        steps = _until_eos_or_cancel(chunks, set(self.bundle.eos_token_ids), cancel, outcome)
+        maker, text_of = PieceMaker(config.stops), self.codec.decoder()
+        for step in steps:
+            piece = maker.add(step, [text_of(token) for token in step.new])
+            if not piece.empty:
+                yield piece
+            if maker.stopped:
                 outcome.reason = "stop_string"
                 break
-        if rest := holdback.rest():
-            yield rest
+        if not (piece := maker.finish()).empty:
+            yield piece
         chunks.close()
         if row is None:
             self._cache = state.cache  # it may have grown
-        text, tokens, reason = holdback.text, outcome.tokens, outcome.reason
+        text, tokens, reason = maker.holdback.text, outcome.tokens, outcome.reason
         if reason == "stop_string":
             # The last chunk may run past the stop string: keep the tokens the text needs.
             while tokens and len(self.codec.decode(tokens[:-1])) >= len(text):

@@ -9,7 +9,7 @@ One step (docs/design.md#the-speculative-step):
 
 Plain decoding is the same step with k = 0, so the baseline shares every line of the loop.
 `decode` only iterates: it picks K, runs the step, records what it cost and accepted, and
-yields the new tokens.
+yields the step: its new tokens, how many were drafted and accepted, and by what.
 """
 
 from __future__ import annotations
@@ -47,17 +47,21 @@ class GenerationState:
 
 @dataclass(frozen=True)
 class Step:
-    """What one step did: `new` is the n accepted drafts and the target's own next token."""
+    """What one step did: `new` is the n accepted drafts and the target's own next token;
+    `source` what drafted them (`Drafter.source`; "none" without a drafter, "prefill" for
+    the prompt's call, which gives the first token)."""
 
     new: list[int]
     drafted: int
     accepted: int
     draft_calls: int
+    source: str = "none"
 
 
-def speculative_step(state: GenerationState, context: list[int], k: int) -> Step:
-    """Draft up to k tokens after `context`, verify them with one target call, and roll both
-    caches back to what was accepted."""
+def speculative_step(state: GenerationState, context: list[int], k: int,
+                     source: str = "none") -> Step:
+    """Draft up to k tokens after `context` (with `source`, the drafter's source for it),
+    verify them with one target call, and roll both caches back to what was accepted."""
     drafter, sampling, clock = state.drafter, state.config.sampling, state.clock
     drafts, q, draft_calls = [], None, 0
     if drafter and k > 0:
@@ -82,7 +86,7 @@ def speculative_step(state: GenerationState, context: list[int], k: int) -> Step
     state.cache.rollback(len(context) + n)
     if drafter:
         drafter.rollback(len(context) + n)
-    return Step([*drafts[:n], token], len(drafts), n, draft_calls)
+    return Step([*drafts[:n], token], len(drafts), n, draft_calls, source)
 
 
 def prefill(state: GenerationState, prompt: list[int]) -> int:
@@ -98,16 +102,16 @@ def prefill(state: GenerationState, prompt: list[int]) -> int:
 
 
 def decode(state: GenerationState, prompt: list[int], histories: Histories,
-           model_seconds: Callable[[], float]) -> Iterator[list[int]]:
-    """Yield the tokens of each step, up to max_new_tokens in all. `histories` carries
-    auto's measurements across generations; `model_seconds()` is the time spent inside the
-    backends so far, for the share of time outside them."""
+           model_seconds: Callable[[], float]) -> Iterator[Step]:
+    """Yield each step (the prompt's call first), up to max_new_tokens tokens in all.
+    `histories` carries auto's measurements across generations; `model_seconds()` is the
+    time spent inside the backends so far, for the share of time outside them."""
     config, drafter, clock = state.config, state.drafter, state.clock
     max_new = config.max_new_tokens
     token = prefill(state, prompt)
     clock.model_start = model_seconds()
     context, new = [*prompt, token], [token]
-    yield new
+    yield Step(new, 0, 0, 0, "prefill")
     generated = 1
     while generated < max_new:
         source = drafter.source(context) if drafter else "none"
@@ -115,7 +119,7 @@ def decode(state: GenerationState, prompt: list[int], histories: Histories,
         # Never draft past max_new_tokens: the last slot is the target's own token.
         k = min(auto_k(history, config.k_max) if config.auto else config.k_max,
                 max_new - generated - 1)
-        step = speculative_step(state, context, k)
+        step = speculative_step(state, context, k, source)
         clock.record_step(step.drafted, step.accepted)
         clock.draft_calls += step.draft_calls
         # A draft that took in more than the last step's tokens was catching up: not what a
@@ -128,4 +132,4 @@ def decode(state: GenerationState, prompt: list[int], histories: Histories,
         context += new
         generated += len(new)
         clock.model_end = model_seconds()
-        yield new
+        yield step

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -215,14 +215,12 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def stream(self, chunks: Iterator[list[int]]) -> Iterator[str]:
-        """Text pieces for token-id chunks; holds back bytes of an unfinished UTF-8 char."""
+    def decoder(self) -> Callable[[int], str]:
+        """A function from each next token of a generation to the text it adds: "" for a
+        token that ends inside a UTF-8 character, which the token completing it adds
+        whole."""
         state = DecodeStream(skip_special_tokens=True)
-        for chunk in chunks:
-            for token in chunk:
-                piece = state.step(self.tokenizer, token)
-                if piece:
-                    yield piece
+        return lambda token: state.step(self.tokenizer, token) or ""
 
     def encode_prompt(self, prompt: str | None = None,
                       prompt_ids: Sequence[int] | None = None,

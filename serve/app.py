@@ -7,6 +7,7 @@ replicas on a cluster of devices (cluster/), with the same routes, checks and er
     POST /tokenize, /detokenize                  the bundle's tokenizer
     GET  /health                                 200 ready; 503 loading, draining, stalled
     GET  /metrics                                Prometheus (metrics.py)
+    GET  /                                       the chat page (page.py), unless --no-ui
 
 A request is checked (key, size, JSON, fields, the runtime's own setting checks, context
 length) on the event loop, its prompt encoded in a thread, and only then queued, so a bad
@@ -44,9 +45,11 @@ from specedge.runtime.config import (
     short_repr,
 )
 from specedge.runtime.generator import GenerationResult, Generator
+from specedge.runtime.pieces import Piece
 from specedge.runtime.text import TextCodec
 from specedge.serve.metrics import ServerMetrics
 from specedge.serve.origins import OriginGuard
+from specedge.serve.page import chat_page
 from specedge.serve.protocol import (
     APIError,
     ChatRequest,
@@ -96,6 +99,7 @@ class ServerSettings:
     body_timeout: float = 30.0           # seconds for a request body to arrive
     allowed_hosts: tuple[str, ...] = ()  # Host names beyond this machine's (origins.py)
     allowed_origins: tuple[str, ...] = ()  # web pages on other sites that may call the API
+    ui: bool = True                      # GET / answers the chat page (page.py)
 
     @property
     def name(self) -> str:
@@ -289,24 +293,29 @@ class Server:
     def finished(self, job: Job, result: GenerationResult, prompt_tokens: int) -> None:
         self.metrics.generation(result.stats, prompt_tokens, time.monotonic() - job.arrived)
 
-    async def whole(self, request: Request, job: Job, ids: list[int], chat: bool) -> dict:
-        """A non-streamed completion."""
+    async def whole(self, request: Request, job: Job, ids: list[int], chat: bool,
+                    marks: bool) -> dict:
+        """A non-streamed completion; with `marks`, those of every piece."""
         first = True
+        pieces: list[Piece] = []
         async for kind, value in self.events(job, request.receive):
-            if kind == "piece" and first:
-                self.metrics.ttft.observe(time.monotonic() - job.arrived)
-                first = False
+            if kind == "piece":
+                if first and value.text:
+                    self.metrics.ttft.observe(time.monotonic() - job.arrived)
+                    first = False
+                pieces.append(value)
             elif kind == "error":
                 raise _as_api_error(value)
             elif kind == "done":
                 if value is None or value.stop_reason == "cancelled":
                     raise ended_early(job, "the server shut down before the answer was done")
                 self.finished(job, value, len(ids))
-                return Framing(chat, self.settings.name).whole(value, len(ids))
+                return Framing(chat, self.settings.name).whole(
+                    value, len(ids), Piece.joined(pieces) if marks else None)
         raise ClientGone  # the events end only with done or error
 
     def streamed(self, request: Request, job: Job, ids: list[int], chat: bool,
-                 usage: bool) -> EventStream:
+                 usage: bool, marks: bool) -> EventStream:
         framing = Framing(chat, self.settings.name)
         endpoint = request.url.path
 
@@ -320,10 +329,12 @@ class Server:
                     if kind == "keepalive":
                         yield KEEPALIVE
                     elif kind == "piece":
-                        if first:
+                        if not (value.text or marks):
+                            continue  # a step that showed no text: nothing to send
+                        if first and value.text:
                             self.metrics.ttft.observe(time.monotonic() - job.arrived)
                             first = False
-                        yield sse(framing.chunk(value, usage_field=usage))
+                        yield sse(framing.chunk(value, usage_field=usage, marks=marks))
                     elif kind == "error":
                         raise _as_api_error(value)
                     elif value is None or value.stop_reason == "cancelled":
@@ -353,8 +364,9 @@ class Server:
         req, ids, config = await self.prepare(request, chat)
         job = await self.submit(ids, config)
         if req.stream:
-            return self.streamed(request, job, ids, chat, req.include_usage)
-        return JSONResponse(await self.whole(request, job, ids, chat), headers=job.headers)
+            return self.streamed(request, job, ids, chat, req.include_usage, req.include_marks)
+        return JSONResponse(await self.whole(request, job, ids, chat, req.include_marks),
+                            headers=job.headers)
 
     async def tokenize(self, request: Request) -> dict:
         self.check_key(request)
@@ -477,6 +489,8 @@ def build_app(settings: ServerSettings, load: Callable[[], Generator] | None = N
         Route("/health", lambda r: server.health(), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if settings.ui:
+        routes.append(Route("/", chat_page, methods=["GET"]))
     paths = {route.path for route in routes}
 
     def refused(path: str) -> None:

@@ -96,6 +96,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         help="web pages on other sites that may call the API "
                         "(scheme://host[:port], or '*'; default none): requests from other "
                         "pages' Origin are refused")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the chat page at / (default: served)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="default info")
@@ -163,7 +165,8 @@ def _settings(args: argparse.Namespace):
         draft_threshold=args.draft_threshold, max_tokens=args.max_tokens,
         max_messages=args.max_messages, max_body_bytes=args.max_body_bytes,
         keepalive=args.keepalive, body_timeout=args.body_timeout,
-        allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins))
+        allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
+        ui=args.ui)
 
 
 def _cluster(args: argparse.Namespace):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specedge.runtime.config import GenerationConfig, short_repr
 from specedge.runtime.generator import GenerationResult
+from specedge.runtime.pieces import Piece
 
 
 class APIError(Exception):
@@ -44,12 +45,14 @@ class _Strict(BaseModel):
 
 
 class SpeculativeOptions(_Strict):
-    """The request's speculative settings (an extension): None keeps the server's."""
+    """The request's speculative settings (an extension): None keeps the server's. `marks`
+    asks for each token's kind and each step's counts with the text (`piece_marks`)."""
 
     enabled: bool = True
     drafter: str | None = None
     draft_tokens: int | Literal["auto"] | None = None
     draft_threshold: float | None = None
+    marks: bool = False
 
 
 class StreamOptions(_Strict):
@@ -138,6 +141,10 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def include_marks(self) -> bool:
+        return bool(self.speculative and self.speculative.marks)
+
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
@@ -218,7 +225,8 @@ class Framing:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, result: GenerationResult, prompt_tokens: int) -> dict:
+    def whole(self, result: GenerationResult, prompt_tokens: int,
+              marks: Piece | None = None) -> dict:
         choice: dict[str, Any] = {"index": 0, "finish_reason":
                                   FINISH_REASONS.get(result.stop_reason, "stop"),
                                   "logprobs": None}
@@ -226,14 +234,18 @@ class Framing:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
+        spec = speculative_stats(result.stats)
         return {**self._head(self.object), "choices": [choice],
                 "usage": usage(prompt_tokens, result),
-                "speculative": speculative_stats(result.stats)}
+                "speculative": spec | piece_marks(marks) if marks else spec}
 
-    def chunk(self, text: str | None = None, *, role: bool = False,
-              finish: GenerationResult | None = None, usage_field: bool = False) -> dict:
-        """One streamed chunk: the role (first), a text piece, or the finish reason."""
+    def chunk(self, piece: Piece | None = None, *, role: bool = False,
+              finish: GenerationResult | None = None, usage_field: bool = False,
+              marks: bool = False) -> dict:
+        """One streamed chunk: the role (first), a piece's text (with its marks when
+        `marks`), or the finish reason."""
         reason = FINISH_REASONS.get(finish.stop_reason, "stop") if finish else None
+        text = piece.text if piece else None
         if self.chat:
             delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -246,6 +258,8 @@ class Framing:
             out = {**self._head("text_completion"), "choices": [choice]}
         if finish is not None:
             out["speculative"] = speculative_stats(finish.stats)
+        elif marks and piece is not None:
+            out["speculative"] = piece_marks(piece)
         if usage_field:
             out["usage"] = None  # OpenAI: null on every chunk but the last, when asked for
         return out
@@ -253,3 +267,13 @@ class Framing:
     def usage_chunk(self, result: GenerationResult, prompt_tokens: int) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage(prompt_tokens, result)}
+
+
+def piece_marks(piece: Piece) -> dict:
+    """A piece's marks (an extension field of a streamed chunk, or of a whole answer, when
+    the request asks for `speculative.marks`): `marks`, [characters, kind] for each token
+    of the text in order, the kind one of runtime/pieces.py's TOKEN_KINDS; `steps`, the
+    speculative steps (target calls) the piece completes, the prompt's first."""
+    return {"marks": [[n, kind] for n, kind in piece.marks],
+            "steps": [{"drafted": s.drafted, "accepted": s.accepted, "source": s.source}
+                      for s in piece.steps]}

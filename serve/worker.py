@@ -36,7 +36,7 @@ class QueueFull(Exception):
 @dataclass
 class Job:
     """One request's generation: its prompt's token ids and its settings; events go to
-    `events` as ("piece", text), then ("done", GenerationResult) or ("error", exception)."""
+    `events` as ("piece", Piece), then ("done", GenerationResult) or ("error", exception)."""
 
     prompt_ids: list[int]
     config: GenerationConfig
@@ -148,16 +148,15 @@ class Worker:
     def _run(self, job: Job) -> None:
         try:
             if self.session is None:
-                pieces = self.generator.stream(prompt_ids=job.prompt_ids, config=job.config,
-                                               cancel=job.cancel)
+                pieces = self.generator.stream_pieces(prompt_ids=job.prompt_ids,
+                                                      config=job.config, cancel=job.cancel)
             else:
                 pieces = self.session.run(job.prompt_ids, job.config, job.cancel)
             while True:
                 try:
                     piece = next(pieces)
                 except StopIteration as done:
-                    result = done.value if self.session is not None else \
-                        self.generator.last_result
+                    result = done.value
                     break
                 self.last_progress = time.monotonic()
                 job.post("piece", piece)

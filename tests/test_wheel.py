@@ -33,6 +33,7 @@ def test_wheel_holds_the_package_data_and_the_license(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "specedge/prompts.jsonl" in names
     assert "specedge/runtime/backends/kernels/sampling.cu" in names
+    assert "specedge/serve/page.html" in names  # the chat page, GET /
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "scripts/", "drafts/")) for n in names)
     metadata = zipfile.ZipFile(wheel).read(

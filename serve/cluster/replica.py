@@ -21,6 +21,7 @@ from ray import serve
 from specedge.runtime.batch import BatchSession
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.generator import GenerationResult, Generator
+from specedge.runtime.pieces import Piece
 from specedge.serve.app import ServerSettings
 from specedge.serve.metrics import BATCH_ROWS_BUCKETS, LATENCY_BUCKETS, generation_counts
 
@@ -114,12 +115,12 @@ class GeneratorReplica:
 
     def _pieces(self, ids: list[int], config: GenerationConfig,
                 cancel: threading.Event | None = None
-                ) -> PieceGenerator[str, None, GenerationResult]:
-        """One generation's text pieces; returns its GenerationResult."""
+                ) -> PieceGenerator[Piece, None, GenerationResult]:
+        """One generation's pieces; returns its GenerationResult."""
         if self.session is not None:
             return (yield from self.session.run(ids, config, cancel))
-        yield from self.generator.stream(prompt_ids=ids, config=config, cancel=cancel)
-        return self.generator.last_result
+        return (yield from self.generator.stream_pieces(prompt_ids=ids, config=config,
+                                                        cancel=cancel))
 
     def _run(self, ids: list[int], config: GenerationConfig, cancel: threading.Event,
              put: Callable[[tuple[str, Any]], None]) -> None:
@@ -143,7 +144,7 @@ class GeneratorReplica:
 
     async def generate(self, ids: list[int], config: GenerationConfig
                        ) -> AsyncIterator[dict[str, Any]]:
-        """{"started": identity}, then {"piece": text}..., then {"done": GenerationResult}
+        """{"started": identity}, then {"piece": Piece}..., then {"done": GenerationResult}
         or {"error": message} for a request the runtime refuses (the client's mistake).
         The pieces accepted while the last one was on its way go as one, so a fast
         model's stream costs fewer messages, never later text."""
@@ -162,10 +163,12 @@ class GeneratorReplica:
                 items = [await events.get()]
                 while not events.empty():
                     items.append(events.get_nowait())
-                text = "".join(value for kind, value in items if kind == "piece")
-                if text:
-                    first = first or time.monotonic() - began
-                    yield {"piece": text}
+                pieces = [value for kind, value in items if kind == "piece"]
+                if pieces:
+                    piece = Piece.joined(pieces)
+                    if piece.text:
+                        first = first or time.monotonic() - began
+                    yield {"piece": piece}
                 kind, value = items[-1]
                 if kind == "done":
                     self.metrics.generation(value.stats, len(ids), first,

@@ -63,9 +63,11 @@ def test_bench_batch_session_takes_each_setting_in_turn(tiny_batched_bundle, tmp
 
 def test_serve_overhead_counts_the_same_tokens_in_process_and_through_the_server(
         tiny_batched_bundle, tmp_path, capsys):
+    """32 tokens an answer: long enough that two answers overlap (and their calls meet)
+    also when the second thread starts late on a busy machine, as 8 did not."""
     out = tmp_path / "overhead.json"
     report = serve_overhead.main(["--bundle", str(tiny_batched_bundle), "--max-batch", "2",
-                                  "--concurrency", "2", "--prompts", "3", "--tokens", "8",
+                                  "--concurrency", "2", "--prompts", "3", "--tokens", "32",
                                   "--rounds", "2", "--threads", "1", "--switch-intervals",
                                   "0.001", "--calls", "--out", str(out)])
     assert json.loads(out.read_text()) == report

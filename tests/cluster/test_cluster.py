@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,28 +140,54 @@ def test_a_dropped_stream_frees_its_replica_within_a_step(cluster_app, gen):
     assert both < full / 2, (both, full, first_pieces)
 
 
+def hold_a_replica(url: str, held: threading.Event, release: threading.Event) -> None:
+    """Stream a LONG answer: set `held` once its first token came (a replica has it), then
+    read on until `release` is set, and drop the stream (its replica is freed within a step,
+    test_a_dropped_stream_frees_its_replica_within_a_step)."""
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json=chat_body("busy", LONG, stream=True)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if '"content"' in line:
+                held.set()
+            if release.is_set():
+                return
+    raise AssertionError(f"the held answer of {LONG} tokens ended before it was released")
+
+
 def test_a_stream_waiting_for_a_replica_gets_keep_alives_then_its_answer(cluster_app, gen):
-    """Both replicas busy for seconds: a streamed request waits in the queue, and its answer
-    starts anyway, with keep-alive comments until a replica takes it (as `specedge serve`
-    answers a queued stream), then the same text as the Generator."""
+    """Both replicas busy until this test frees them: a streamed request waits in the queue,
+    and its answer starts anyway, with keep-alive comments until a replica takes it (as
+    `specedge serve` answers a queued stream), then the same text as the Generator. The
+    replicas are held by streams dropped only once the waiting stream has had a keep-alive,
+    so the wait cannot end early on a fast machine."""
     want = gen.generate(messages=CHATS[1], max_new_tokens=20).text
+    release = threading.Event()
+    helds = [threading.Event() for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        busy = [pool.submit(post_chat, cluster_app.url, chat_body(f"busy {i}", 600))
-                for i in range(2)]
-        time.sleep(0.5)  # both are on their replicas
-        started = time.monotonic()
-        with httpx.stream("POST", cluster_app.url + "/v1/chat/completions", timeout=60,
-                          json=chat_body(CHATS[1][0]["content"], 20, stream=True)) as r:
-            assert r.status_code == 200
-            lines = [line for line in r.iter_lines() if line]
-        waited = time.monotonic() - started
-        assert [b.result().status_code for b in busy] == [200, 200]
+        busy = [pool.submit(hold_a_replica, cluster_app.url, held, release) for held in helds]
+        try:
+            for held in helds:
+                assert held.wait(60), [b.exception() for b in busy if b.done()]
+            with httpx.stream("POST", cluster_app.url + "/v1/chat/completions", timeout=60,
+                              json=chat_body(CHATS[1][0]["content"], 20, stream=True)) as r:
+                assert r.status_code == 200
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if line == ": keep-alive":
+                        release.set()
+        finally:
+            release.set()
     texts = [json.loads(line[6:])["choices"][0]["delta"].get("content")
              if line.startswith("data: {") else None for line in lines]
     first_text = next(i for i, text in enumerate(texts) if text)
-    assert lines[:first_text].count(": keep-alive") >= 1, (lines[:first_text], waited)
+    assert lines[:first_text].count(": keep-alive") >= 1, lines[:first_text]
     assert lines[-1] == "data: [DONE]"
     assert "".join(text or "" for text in texts) == want
+    for b in busy:
+        b.result()  # each held its replica until released
 
 
 def test_more_requests_than_replicas_and_queue_get_429(cluster_app):

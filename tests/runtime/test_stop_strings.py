@@ -41,11 +41,22 @@ def test_the_earliest_of_several_stop_strings_wins():
 
 
 def test_the_last_characters_that_could_begin_a_stop_string_wait_for_the_next_piece():
+    """The last len("STOP") - 1 = 3 characters wait, and with them the rest of their piece:
+    what is shown is whole pieces."""
     holdback = StopStringHoldback(["STOP"])
-    assert holdback.feed("hello wor") == "hello "  # 3 = len("STOP") - 1 held back
-    assert holdback.feed("ld") == "wo"
-    assert holdback.rest() == "rld"
-    assert not holdback.stopped and holdback.text == "hello world"
+    assert holdback.feed("hello ") == ""      # "llo " could still begin "STOP"
+    assert holdback.feed("wor") == "hello "   # "wor" waits
+    assert holdback.feed("ld") == ""          # "rld" waits, and "wor" with it
+    assert holdback.feed("!!!!") == "world"
+    assert holdback.rest() == "!!!!"
+    assert not holdback.stopped and holdback.text == "hello world!!!!"
+
+
+def test_a_stop_string_inside_a_piece_shows_the_piece_up_to_it():
+    holdback = StopStringHoldback(["STOP"])
+    assert holdback.feed("ab") == ""
+    assert holdback.feed("cSTOPd") == "abc"
+    assert holdback.stopped and holdback.text == "abc" and holdback.rest() == ""
 
 
 def test_without_stop_strings_every_piece_is_shown_at_once():

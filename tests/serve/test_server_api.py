@@ -152,6 +152,51 @@ def test_speculative_settings_per_request(client, gen):
     assert spec_stats["target_calls"] < plain_stats["target_calls"]
 
 
+@pytest.mark.parametrize("speculative", [{"drafter": "model", "draft_tokens": 3},
+                                         {"drafter": "lookup+model", "draft_tokens": "auto"}])
+def test_marks_show_each_tokens_kind_and_match_the_statistics(tiny_server, client,
+                                                              speculative):
+    """`speculative.marks`: every streamed chunk's marks cover its text exactly, its steps
+    add up to the answer's statistics (the prompt's call first), the kinds follow from the
+    steps, and a whole answer carries the same marks. The OpenAI client reads the stream
+    as if the field were not there."""
+    body = {"model": "tiny", "messages": CHATS[3], "max_tokens": 60, "temperature": 0,
+            "stream": True, "speculative": {**speculative, "marks": True}}
+    with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        chunks = _sse(response.iter_lines())[:-1]
+    content = chunks[1:-1]
+    for c in content:
+        text = c["choices"][0]["delta"].get("content", "")
+        assert sum(n for n, _ in c["speculative"]["marks"]) == len(text), c
+    marks = [m for c in content for m in c["speculative"]["marks"]]
+    steps = [s for c in content for s in c["speculative"]["steps"]]
+    stats = chunks[-1]["speculative"]
+    assert steps[0] == {"drafted": 0, "accepted": 0, "source": "prefill"}
+    assert len(steps) == stats["target_calls"] + 1
+    assert sum(s["drafted"] for s in steps) == stats["drafted_tokens"]
+    assert sum(s["accepted"] for s in steps) == stats["accepted_tokens"] > 0
+    kinds = [kind for _, kind in marks]
+    assert kinds.count("draft") + kinds.count("lookup") == stats["accepted_tokens"]
+    assert kinds.count("correction") == sum(s["drafted"] > s["accepted"] for s in steps)
+    whole = client.chat.completions.create(
+        model="tiny", messages=CHATS[3], max_tokens=60, temperature=0,
+        extra_body={"speculative": {**speculative, "marks": True}})
+    if speculative["draft_tokens"] != "auto":
+        assert whole.model_extra["speculative"]["marks"] == marks
+        assert whole.model_extra["speculative"]["steps"] == steps
+    assert len(whole.model_extra["speculative"]["marks"]) == len(marks)
+    plain = client.chat.completions.create(
+        model="tiny", messages=CHATS[3], max_tokens=60, temperature=0, stream=True,
+        extra_body={"speculative": {**speculative, "marks": True}})
+    text = "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
+    assert text == whole.choices[0].message.content
+    unmarked = client.chat.completions.create(model="tiny", messages=CHATS[3], max_tokens=60,
+                                              temperature=0)
+    assert "marks" not in unmarked.model_extra["speculative"]
+
+
 def test_sixteen_concurrent_clients_get_their_sequential_answers(tiny_server, client):
     requests = [(PROMPTS[i % 4], 16 + i) for i in range(64)]
     sequential = {(p, n): client.completions.create(model="tiny", prompt=p, max_tokens=n,
