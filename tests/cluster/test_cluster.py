@@ -70,6 +70,31 @@ def test_unary_and_streamed_chats_equal_the_generator(cluster_app, gen, messages
     assert finish == "length"
 
 
+def test_the_chat_page_and_token_marks_come_through_the_proxy(cluster_app, gen):
+    """The chat page is served at / by the ingress, and a stream that asks for token marks
+    gets them from the replica (pieces sent while the last was on its way arrive as one):
+    marks covering each chunk's text, and steps that add up to the answer's statistics."""
+    page = httpx.get(cluster_app.url + "/", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    body = chat_body(CHATS[0][0]["content"], 40, stream=True)
+    body["speculative"] = {"drafter": "model", "draft_tokens": 2, "marks": True}
+    with httpx.stream("POST", cluster_app.url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    content = [e for e in events[1:] if not e["choices"][0]["finish_reason"]]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in content)
+    assert text == gen.generate(messages=CHATS[0], max_new_tokens=40).text
+    for e in content:
+        chars = sum(n for n, _ in e["speculative"]["marks"])
+        assert chars == len(e["choices"][0]["delta"].get("content", ""))
+    steps = [s for e in content for s in e["speculative"]["steps"]]
+    stats = events[-1]["speculative"]
+    assert len(steps) == stats["target_calls"] + 1
+    assert sum(s["accepted"] for s in steps) == stats["accepted_tokens"]
+
+
 def test_two_replicas_serve_from_two_nodes(cluster_app, ray_cluster, gen):
     """Two requests at once, each longer than the time to send the other: with one
     request per replica, they run on the two replicas, one on each node."""

@@ -87,6 +87,7 @@ def test_joined_pieces_keep_every_mark_and_step():
 
 @pytest.mark.parametrize("settings", [
     {"drafter": "model", "draft_tokens": 3},
+    {"drafter": "lookup+model", "draft_tokens": 4},
     {"drafter": "lookup+model", "draft_tokens": "auto"},
     {"drafter": "model", "draft_tokens": 4, "temperature": 0.8, "seed": 3},
     {"use_draft": False},
@@ -119,7 +120,8 @@ def test_a_generations_pieces_match_its_text_tokens_and_statistics(tiny_bundle, 
     assert kinds["draft"] + kinds["lookup"] == result.stats["accepted_tokens"]
     assert kinds["bonus"] + kinds["correction"] + kinds["target"] == len(steps) or \
         result.stop_reason == "eos"
-    if settings.get("use_draft", True):
+    if isinstance(settings.get("draft_tokens"), int):
+        # auto K may draft nothing on a slow or busy machine: what it drafts is checked above
         assert kinds["draft"] + kinds["lookup"] > 0 and kinds["correction"] > 0
-    else:
+    elif not settings.get("use_draft", True):
         assert set(kinds) == {"target"}

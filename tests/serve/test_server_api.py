@@ -153,13 +153,14 @@ def test_speculative_settings_per_request(client, gen):
 
 
 @pytest.mark.parametrize("speculative", [{"drafter": "model", "draft_tokens": 3},
-                                         {"drafter": "lookup+model", "draft_tokens": "auto"}])
+                                         {"drafter": "lookup+model", "draft_tokens": 4}])
 def test_marks_show_each_tokens_kind_and_match_the_statistics(tiny_server, client,
                                                               speculative):
     """`speculative.marks`: every streamed chunk's marks cover its text exactly, its steps
     add up to the answer's statistics (the prompt's call first), the kinds follow from the
     steps, and a whole answer carries the same marks. The OpenAI client reads the stream
-    as if the field were not there."""
+    as if the field were not there. (A fixed K: auto K follows measured costs, and may
+    draft nothing on a slow or busy machine.)"""
     body = {"model": "tiny", "messages": CHATS[3], "max_tokens": 60, "temperature": 0,
             "stream": True, "speculative": {**speculative, "marks": True}}
     with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json=body,
@@ -183,10 +184,8 @@ def test_marks_show_each_tokens_kind_and_match_the_statistics(tiny_server, clien
     whole = client.chat.completions.create(
         model="tiny", messages=CHATS[3], max_tokens=60, temperature=0,
         extra_body={"speculative": {**speculative, "marks": True}})
-    if speculative["draft_tokens"] != "auto":
-        assert whole.model_extra["speculative"]["marks"] == marks
-        assert whole.model_extra["speculative"]["steps"] == steps
-    assert len(whole.model_extra["speculative"]["marks"]) == len(marks)
+    assert whole.model_extra["speculative"]["marks"] == marks
+    assert whole.model_extra["speculative"]["steps"] == steps
     plain = client.chat.completions.create(
         model="tiny", messages=CHATS[3], max_tokens=60, temperature=0, stream=True,
         extra_body={"speculative": {**speculative, "marks": True}})
