@@ -3,7 +3,7 @@ Playwright, against the real server process on a slow random Llama behind an API
 The page loads from the server alone with no console error, streams the answer the API
 gives, marks each token as the API's marks say (and as many draft tokens as the
 statistics count accepted), answers side by side with and without speculation, stops,
-and shows a wrong key's error. Screenshots go to build/test-artifacts/ (or
+and shows a wrong key's error. Screenshots go to test-artifacts/ (or
 $SPECEDGE_ARTIFACTS)."""
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
 KEY = "sk-page-" + secrets.token_hex(8)
+# Not under build/: a wheel build (scripts/test_arm64.sh) clears that folder.
 ARTIFACTS = Path(os.environ.get("SPECEDGE_ARTIFACTS",
-                                Path(__file__).resolve().parents[2] / "build" / "test-artifacts"))
+                                Path(__file__).resolve().parents[2] / "test-artifacts"))
 SPEC = {"drafter": "lookup+model", "draft_tokens": 3}
 
 
