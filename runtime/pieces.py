@@ -88,7 +88,6 @@ class PieceMaker:
         self._fed_chars = 0   # characters of every token fed, before a stop-string cut
         self._fed_tokens = 0
         self._shown_tokens = 0
-        self._mark_end = 0    # where the last mark's characters end
 
     @property
     def stopped(self) -> bool:
@@ -114,13 +113,17 @@ class PieceMaker:
         return self._piece(self.holdback.rest(), last=True)
 
     def _piece(self, text: str, last: bool = False) -> Piece:
+        """`text`, just shown, with the marks of the tokens it ends and the steps they end.
+        The marks start where the text does: every earlier token was marked with the text
+        before it."""
         end = self.holdback.shown
-        marks = []
+        at, marks = end - len(text), []
+        # Whole tokens, then (stopped) the one the stop string cuts.
         while self._tokens and (self._tokens[0][0] <= end or
-                                (self.holdback.stopped or last) and self._mark_end < end):
+                                (self.holdback.stopped or last) and at < end):
             token_end, kind = self._tokens.popleft()
-            marks.append((min(token_end, end) - self._mark_end, kind))
-            self._mark_end = min(token_end, end)
+            marks.append((min(token_end, end) - at, kind))
+            at = min(token_end, end)
             self._shown_tokens += 1
         if self.holdback.stopped or last:
             self._tokens.clear()  # past the stop string: never shown

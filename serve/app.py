@@ -303,7 +303,8 @@ class Server:
                 if first and value.text:
                     self.metrics.ttft.observe(time.monotonic() - job.arrived)
                     first = False
-                pieces.append(value)
+                if marks:
+                    pieces.append(value)
             elif kind == "error":
                 raise _as_api_error(value)
             elif kind == "done":

@@ -93,7 +93,8 @@ class Page:
         self.tab.locator("#prompt").fill(text)
         self.tab.locator("#send").click()
 
-    def answers(self) -> list:
+    def answers(self):
+        """The last turn's answer boxes (a Playwright locator)."""
         return self.tab.locator(".turn.assistant").last.locator(".answer")
 
     def wait_done(self, count: int = 1, timeout: float = 60) -> None:
