@@ -10,9 +10,13 @@ several rows.
 A `BatchSession` holds one SlotCaches per model (kv_cache.py), max_batch slots each, so
 that a call on several rows binds one block of memory per cache plane. A sequence takes a
 free slot when it starts (`run`) and gives it back when it ends, so sequences join and
-leave between steps (continuous batching). A sequence's thread blocks in its model's
-`forward` until every running sequence waits on a call; the last one to arrive runs each
-model's waiting calls (`_Meeting`): the short ones as one call, a prompt (more than
+leave between steps (continuous batching). A slot keeps the rows of its last sequence
+(prompt and answer) after it ends: the next sequence takes the free slot whose rows share
+the longest prefix with its prompt and prefills only the rest (on a batched graph, where
+that computes what one call does, as prompt chunks do), so that a chat template's system
+prompt, or a conversation's earlier turns, are computed once. A sequence's thread blocks
+in its model's `forward` until every running sequence waits on a call; the last one to
+arrive runs each model's waiting calls (`_Meeting`): the short ones as one call, a prompt (more than
 MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others, one prompt
 a meeting; on a batched graph a prompt comes in chunks of PREFILL_CHUNK tokens, one a
 meeting, so that the others' steps do not wait for all of it. The threads
@@ -85,6 +89,9 @@ class _Model:
     backend: OrtCpuBackend
     caches: SlotCaches
     max_context: int
+    # Free slots that keep rows: the tokens of the sequence that left them, of which the
+    # slot's rows [0, length) are the first `length` (BatchSession.run).
+    kept: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def chunked(self) -> bool:
@@ -177,10 +184,13 @@ def _run_group(model: _Model, group: list[_Call], cost: LinearCost | None = None
     that needed it have left (the graph attends over all of it). Returns the rows of the
     batched call (0: none); `cost` is told its size in token-rows and its seconds."""
     caches, backend = model.caches, model.backend
-    held = max(slot.length for slot in caches.slots)
+    held = max((slot.length for i, slot in enumerate(caches.slots) if i not in model.kept),
+               default=0)
     need = max(caches.slots[c.slot].length + len(c.tokens) for c in group)
     fit = capacity_for(max(held, need), model.max_context, GROWTH_STEP)
     if fit > caches.capacity or fit + SHRINK_SLACK <= caches.capacity:
+        for i in model.kept:  # a free slot's kept rows do not hold the capacity up
+            caches.slots[i].rollback(min(caches.slots[i].length, fit))
         caches.resize(fit)
         backend.forget_bindings()
     short = {c.slot: c for c in group if not _alone(model, c)}
@@ -206,9 +216,13 @@ class RowBackend:
     features = None
     keep_features = False
 
-    def __init__(self, model: _Model, slot: int, meeting: _Meeting):
+    def __init__(self, model: _Model, slot: int, meeting: _Meeting, reuse: int = 0):
+        """`reuse`: rows of the slot that hold the first tokens of this sequence's prompt
+        (BatchSession.run), counted again at its prompt's call."""
         self.model, self.slot, self.meeting = model, slot, meeting
         self.name, self.spec = model.backend.name, model.backend.spec
+        self.reuse = reuse
+        self.called = False  # whether this sequence ran the model: the slot's rows are its
 
     @property
     def run_seconds(self) -> float:
@@ -222,6 +236,11 @@ class RowBackend:
         if cache is not self.model.caches.slots[self.slot]:
             raise ValueError("a batched sequence runs on its own cache slot only")
         tokens = list(token_ids)
+        if not self.called and self.reuse and cache.length == 0:
+            # The prompt's call, its first rows kept in the slot: only the rest runs.
+            cache.reclaim(self.reuse)
+            tokens = tokens[self.reuse:]
+        self.called = True
         # A prompt (one logit kept) while others run; alone, one call does it all.
         chunks = prefill_chunks(len(tokens), logits_to_keep,
                                 self.model.chunked and self.meeting.running > 1)
@@ -230,6 +249,15 @@ class RowBackend:
             tokens = tokens[chunk:]
         return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep,
                                        alone=len(chunks) > 1))
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens a and b have in common."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def prefill_chunks(n: int, logits_to_keep: int, chunked: bool) -> list[int]:
@@ -294,21 +322,42 @@ class BatchSession:
         """One generation's pieces, as `Generator.stream_pieces` yields them, with the others
         running; returns its GenerationResult (StopIteration.value). BatchFull when every
         slot is taken."""
+        prompt = list(prompt_ids)
+        target = self.models[0]
         with self._lock:
             if not self._free:
                 raise BatchFull(f"all {self.max_batch} sequences of the batch are running")
-            slot = self._free.pop(0)  # the lowest: calls span fewer idle slots
+            # The slot that keeps the longest start of this prompt; else the lowest, so
+            # that calls span fewer idle slots.
+            slot = max(self._free, key=lambda s: (shared_prefix(prompt, target.kept.get(s, [])),
+                                                  -s))
+            self._free.remove(slot)
+            # At least the prompt's last token runs: its logits choose the first token.
+            reuse = min(shared_prefix(prompt, target.kept.get(slot, [])), len(prompt) - 1)
+            held = [m.kept.pop(slot, []) for m in self.models]
         self.meeting.join()
+        rows = [RowBackend(m, slot, self.meeting,
+                           min(reuse, m.caches.slots[slot].length) if m.chunked else 0)
+                for m in self.models]
+        tokens = None  # the sequence's tokens once it ends: what its slot's rows hold
         try:
-            rows = [RowBackend(m, slot, self.meeting) for m in self.models]
             drafter = ModelDrafter(rows[1]) if len(rows) > 1 else None
             row = RowModels(rows[0], drafter, rows[0].new_cache(0), self.histories)
-            return (yield from self.generator._run(list(prompt_ids), config, cancel, row))
+            result = yield from self.generator._run(prompt, config, cancel, row)
+            tokens = prompt + result.token_ids
+            return result
         finally:
-            # A free slot holds no rows (a call's padding may write there). No call runs
-            # while this sequence, still counted as running, does not wait on one.
-            for model in self.models:
-                model.caches.slots[slot].rollback(0)
+            # No call runs while this sequence, still counted as running, does not wait on
+            # one. A free slot's rows past its length take the padding of later calls.
+            for model, backend, old in zip(self.models, rows, held):
+                cache = model.caches.slots[slot]
+                if tokens is None or not model.chunked:
+                    cache.rollback(0)
+                    continue
+                if not backend.called:  # its rows are still the sequence's before
+                    cache.rollback(min(cache.length, shared_prefix(old, tokens)))
+                cache.rollback(min(cache.length, len(tokens)))
+                model.kept[slot] = tokens
             self.meeting.leave()
             with self._lock:
                 self._free.append(slot)

@@ -79,6 +79,14 @@ class CacheRows:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} rows")
         self.length = length
 
+    def reclaim(self, length: int) -> None:
+        """Count rows [0, length) again after a rollback, for a caller that knows nothing
+        was written there since: a batch slot's rows kept for the next sequence whose prompt
+        starts with the same tokens (batch.py)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"cannot count {length} rows in a cache of {self.capacity}")
+        self.length = length
+
 
 class KVCache(CacheRows):
     """`capacity` rows a generation may hold, plus `spare` rows past them that a graph may

@@ -28,7 +28,7 @@ from specedge.export.graph.attention import (
     gqa_lengths,
     pack_qkv,
     portable_attention,
-    scatter_lengths,
+    scatter_inputs,
 )
 from specedge.export.graph.families import kernel_rotates, model_dims_of
 from specedge.export.graph.outputs import last_positions, lm_head, target_features
@@ -61,7 +61,7 @@ class PortableInputs:
 class FusedInputs:
     """What a layer's in-place attention reads besides its own q|k|v, built once per call:
     (seqlens_k, total) (graph/attention.py `gqa_lengths`; with `batched`, ScatterAttention's
-    `scatter_lengths`), the rotary tables (cos, sin) and
+    (past_length, mask) from `scatter_inputs`), the rotary tables (cos, sin) and
     the rows of them for this call (graph/rotary.py `gqa_rotary_cache`, `gqa_positions`)
     when the kernel rotates, and the layer's sliding window (None: full attention).
     `rotary`: when the graph rotates q and k itself (graph/families.py
@@ -176,14 +176,14 @@ class Decoder(nn.Module):
         """What each layer's attention reads besides its own q, k and v, built once per call
         and shared by the layers."""
         if self.fused and self.kernel_rotary:
-            lengths = (scatter_lengths if self.batched else gqa_lengths)(past_length, input_ids)
+            lengths = self.fused_lengths(input_ids, past_length, past)
             rows = gqa_positions(self.model.model.rotary_emb, self.model.config, position_ids,
                                  past_length)
             return [FusedInputs(lengths, self.rotary_cache, rows, w, None, self.batched)
                     for w in self.windows]
         rotary = self.rotary(x, position_ids, past_length)
         if self.fused:
-            lengths = (scatter_lengths if self.batched else gqa_lengths)(past_length, input_ids)
+            lengths = self.fused_lengths(input_ids, past_length, past)
             return [FusedInputs(lengths, None, None, w, tables, self.batched)
                     for tables, w in zip(rotary, self.windows)]
         # One mask per distinct window, shared by the layers that have it (in layer order,
@@ -191,6 +191,13 @@ class Decoder(nn.Module):
         biases = {w: attention_bias(past_length, past[0].shape[2], input_ids.shape[1],
                                     self.groups, x.dtype, w) for w in dict.fromkeys(self.windows)}
         return [PortableInputs(tables, biases[w]) for tables, w in zip(rotary, self.windows)]
+
+    def fused_lengths(self, input_ids: torch.Tensor, past_length: torch.Tensor,
+                      past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What in-place attention reads of the call's lengths, once for every layer."""
+        if self.batched:
+            return scatter_inputs(past_length, input_ids, past[0].shape[2], self.groups)
+        return gqa_lengths(past_length, input_ids)
 
     @classmethod
     def layer_step(cls, layer: nn.Module, x: torch.Tensor, past_k: torch.Tensor,

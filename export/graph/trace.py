@@ -41,7 +41,7 @@ BATCHED_OPSET = 24
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 8
+GRAPH_REVISION = 9
 # The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
 # family's hooks.
 DECODERS: dict[str, type[Decoder]] = {

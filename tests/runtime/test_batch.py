@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -233,6 +234,68 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     assert Counter(sizes)[PREFILL_CHUNK] == 5 and 20 in sizes and 100 not in sizes
     assert sizes[0] == len(first_ids)  # nobody else running: one call
     assert prefill_chunks(100, 1, chunked=False) == [100]
+
+
+@pytest.mark.parametrize("form", ["batched-int4", "batched-fp32", "portable-fp32"])
+def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
+        form, gen, batched_bundles, monkeypatch):
+    """A conversation's second turn (the first prompt, its answer, and more) after the
+    first in one session: on a batched graph it takes the slot that holds the first
+    sequence's rows (of its prompt and answer, all but the last token) and its prompt's
+    calls run only the tokens past them, on the target and on the draft, with greedy
+    tokens equal to its plain decoding alone; a third prompt sharing nothing with them runs
+    whole on the other slot. A portable graph, which computes a split prompt otherwise than
+    the whole, always runs the whole prompt."""
+    if form != "portable-fp32":
+        gen = Generator.from_bundle(batched_bundles[form.split("-", 1)[1]])
+    first = gen.encode_prompt(PROMPTS[1], raw=True)
+    session = BatchSession(gen, 2)
+    calls: list[tuple[str, int]] = []
+    originals = {name: getattr(OrtCpuBackend, name) for name in ("forward", "forward_slots")}
+
+    def spy(name):
+        def call(self, cache_or_caches, *args, **kwargs):
+            role = "target" if self is gen.target else "draft"
+            if name == "forward":
+                calls.append((role, len(args[0])))
+            else:
+                calls.append((role, max(len(t) for t in args[1].values())))
+            return originals[name](self, cache_or_caches, *args, **kwargs)
+        return call
+
+    for name in originals:
+        monkeypatch.setattr(OrtCpuBackend, name, spy(name))
+
+    def run(ids: list[int], config: GenerationConfig) -> list[int]:
+        pieces = session.run(ids, config)
+        try:
+            while True:
+                next(pieces)
+        except StopIteration as done:
+            return done.value.token_ids
+
+    config = GenerationConfig(max_new_tokens=20, drafter="model", draft_tokens=2)
+    answer = run(first, replace(config, max_new_tokens=12))
+    second = first + answer + gen.encode_prompt(PROMPTS[3], raw=True)
+    calls.clear()
+    got = run(second, config)
+    batched = form != "portable-fp32"
+    held = len(first) + len(answer) - 1  # the last token has no row yet
+    assert calls[0] == ("target", len(second) - held if batched else len(second))
+    # The draft's rows: as far as its last accepted draft.
+    first_draft = next(n for role, n in calls if role == "draft")
+    if batched:
+        assert first_draft <= len(second) - len(first)
+    else:
+        assert first_draft == len(second)
+    monkeypatch.undo()
+    assert got == gen.generate(prompt_ids=second, max_new_tokens=20, use_draft=False).token_ids
+    other = np.random.default_rng(7).integers(3, 34, 30).tolist()
+    for name in originals:
+        monkeypatch.setattr(OrtCpuBackend, name, spy(name))
+    calls.clear()
+    run(other, GenerationConfig(max_new_tokens=4, use_draft=False))
+    assert calls[0] == ("target", len(other))
 
 
 def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypatch):
