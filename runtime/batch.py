@@ -16,10 +16,10 @@ the longest prefix with its prompt and prefills only the rest (on a batched grap
 that computes what one call does, as prompt chunks do), so that a chat template's system
 prompt, or a conversation's earlier turns, are computed once. A sequence's thread blocks
 in its model's `forward` until every running sequence waits on a call; the last one to
-arrive runs each model's waiting calls (`_Meeting`): the short ones as one call, a prompt (more than
-MAX_BATCHED_TOKENS tokens) on its own row, so that it does not pad the others, one prompt
-a meeting; on a batched graph a prompt comes in chunks of PREFILL_CHUNK tokens, one a
-meeting, so that the others' steps do not wait for all of it. The threads
+arrive runs each model's waiting calls (`_Meeting`): the short ones as one call, a prompt's
+call (one logit kept, more than two tokens) on its own row, so that it does not pad the
+others, one prompt a meeting; on a batched graph a prompt comes in chunks of PREFILL_CHUNK
+tokens, one a meeting, so that the others' steps do not wait for all of it. The threads
 only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
@@ -51,6 +51,7 @@ from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, Li
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import GROWTH_STEP, SlotCaches, capacity_for
 from specedge.runtime.pieces import Piece
+from specedge.runtime.prefix_store import PrefixStore, shared_prefix
 
 # A call of more tokens than this is a prompt: it runs on its own row, not padding others.
 MAX_BATCHED_TOKENS = 16
@@ -65,6 +66,9 @@ PREFILL_CHUNK = 16
 # kept, would slow every later call (kv_cache.py); cut at once, a capacity on the edge
 # would be copied back and forth.
 SHRINK_SLACK = 2 * GROWTH_STEP
+# Host memory for rows of sequences whose slots went to others (prefix_store.py): ~5,000
+# tokens of SmolLM2-135M and its draft.
+PREFIX_STORE_BYTES = 256 * 2**20
 
 
 class BatchFull(Exception):
@@ -247,17 +251,10 @@ class RowBackend:
         for chunk in chunks[:-1]:
             self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True))
             tokens = tokens[chunk:]
-        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep,
-                                       alone=len(chunks) > 1))
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first tokens a and b have in common."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+        # A prompt's call (one logit kept, after a slot's kept rows often a few tokens)
+        # runs on a row of its own: in the others' call, it would pad them all to its T.
+        alone = len(chunks) > 1 or (logits_to_keep == 1 and len(tokens) > 2)
+        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep, alone))
 
 
 def prefill_chunks(n: int, logits_to_keep: int, chunked: bool) -> list[int]:
@@ -283,8 +280,10 @@ class BatchSession:
     while it exists: single generations on the same Generator must not run meanwhile."""
 
     def __init__(self, generator: Generator, max_batch: int = 4,
-                 on_call: Callable[[int], None] | None = None):
-        """`on_call(rows)`: told the rows of each batched call of the target."""
+                 on_call: Callable[[int], None] | None = None,
+                 store_bytes: int = PREFIX_STORE_BYTES):
+        """`on_call(rows)`: told the rows of each batched call of the target; `store_bytes`:
+        the host memory for rows of earlier sequences (prefix_store.py; 0: none)."""
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.models = []
@@ -311,6 +310,10 @@ class BatchSession:
         self.meeting = _Meeting(on_call=on_call, target=self.models[0], costs=self.costs)
         self._free = list(range(max_batch))
         self._lock = threading.Lock()
+        self.store = PrefixStore(store_bytes)
+        # Sequences that start together fill their slots one at a time (the store, and a
+        # resize of the caches, are shared).
+        self._filling = threading.Lock()
 
     @property
     def running(self) -> int:
@@ -327,20 +330,23 @@ class BatchSession:
         with self._lock:
             if not self._free:
                 raise BatchFull(f"all {self.max_batch} sequences of the batch are running")
-            # The slot that keeps the longest start of this prompt; else the lowest, so
-            # that calls span fewer idle slots.
+            # The slot that keeps the longest start of this prompt; else the one that keeps
+            # the fewest rows, the lowest of those, so that calls span fewer idle slots.
             slot = max(self._free, key=lambda s: (shared_prefix(prompt, target.kept.get(s, [])),
-                                                  -s))
+                                                  -target.caches.slots[s].length, -s))
             self._free.remove(slot)
-            # At least the prompt's last token runs: its logits choose the first token.
-            reuse = min(shared_prefix(prompt, target.kept.get(slot, [])), len(prompt) - 1)
-            held = [m.kept.pop(slot, []) for m in self.models]
         self.meeting.join()
-        rows = [RowBackend(m, slot, self.meeting,
-                           min(reuse, m.caches.slots[slot].length) if m.chunked else 0)
-                for m in self.models]
+        rows: list[RowBackend] = []
+        held: list[int] = []  # the tokens the slot's rows are the start of
         tokens = None  # the sequence's tokens once it ends: what its slot's rows hold
         try:
+            with self._filling:
+                held = self._fill(slot, prompt)
+            # At least the prompt's last token runs: its logits choose the first token.
+            reuse = min(shared_prefix(prompt, held), len(prompt) - 1)
+            rows = [RowBackend(m, slot, self.meeting,
+                               min(reuse, m.caches.slots[slot].length) if m.chunked else 0)
+                    for m in self.models]
             drafter = ModelDrafter(rows[1]) if len(rows) > 1 else None
             row = RowModels(rows[0], drafter, rows[0].new_cache(0), self.histories)
             result = yield from self.generator._run(prompt, config, cancel, row)
@@ -349,19 +355,52 @@ class BatchSession:
         finally:
             # No call runs while this sequence, still counted as running, does not wait on
             # one. A free slot's rows past its length take the padding of later calls.
-            for model, backend, old in zip(self.models, rows, held):
+            for i, model in enumerate(self.models):
                 cache = model.caches.slots[slot]
                 if tokens is None or not model.chunked:
                     cache.rollback(0)
                     continue
-                if not backend.called:  # its rows are still the sequence's before
-                    cache.rollback(min(cache.length, shared_prefix(old, tokens)))
+                if i >= len(rows) or not rows[i].called:  # still the rows of `held`
+                    cache.rollback(min(cache.length, shared_prefix(held, tokens)))
                 cache.rollback(min(cache.length, len(tokens)))
                 model.kept[slot] = tokens
             self.meeting.leave()
             with self._lock:
                 self._free.append(slot)
                 self._free.sort()
+
+    def _fill(self, slot: int, prompt: list[int]) -> list[int]:
+        """Make `slot`'s rows hold as much of the start of `prompt` as they or the store
+        have (the store's rows copied in), after storing the rows the prompt will overwrite;
+        returns the tokens that each model's rows [0, length) of the slot are the start of.
+        Runs while no call does (the sequence has joined and waits on none)."""
+        kept = self.models[0].kept.pop(slot, [])  # every model's rows start the same list
+        for model in self.models[1:]:
+            model.kept.pop(slot, None)
+        chunked = [m.chunked for m in self.models]
+        slots = [m.caches.slots[slot] for m in self.models]
+        have = shared_prefix(prompt, kept)
+        if not any(chunked):
+            return kept
+        length = max(c.length for c, on in zip(slots, chunked) if on)
+        if have < length:  # rows the prompt will overwrite
+            self.store.add(kept[:length], [
+                m.caches.planes[:, slot, :, :c.length] if on else None
+                for m, c, on in zip(self.models, slots, chunked)])
+        n, entry = self.store.longest(prompt)
+        if entry is None or n <= have:
+            return kept
+        for model, cache, stored in zip(self.models, slots, entry.rows):
+            if stored is None or not model.chunked:
+                cache.rollback(min(cache.length, shared_prefix(kept, entry.tokens)))
+                continue
+            k = min(stored.shape[2], n)
+            if k > model.caches.capacity:
+                model.caches.resize(capacity_for(k, model.max_context, GROWTH_STEP))
+                model.backend.forget_bindings()
+            model.caches.planes[:, slot, :, :k] = stored[:, :, :k]
+            cache.reclaim(k)
+        return list(entry.tokens)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from specedge.runtime.drafting.auto_k import Histories
 from specedge.runtime.kv_cache import GROWTH_STEP, capacity_for
 from specedge.runtime.loop import GenerationState, Step, decode
 from specedge.runtime.pieces import Piece, PieceMaker
+from specedge.runtime.prefix_store import shared_prefix
 from specedge.runtime.stats import StepClock, summarize
 from specedge.runtime.text import TextCodec
 
@@ -136,6 +137,7 @@ class Generator:
         self.target = target
         self.draft = draft
         self._cache = None  # the target's KV cache, reused by the next generation
+        self._cache_tokens: list[int] = []  # the tokens its rows [0, length) start
         self._model_drafter = None
         if draft is not None:
             feature_draft = self.bundle.draft.reads_features
@@ -311,6 +313,7 @@ class Generator:
         chunks.close()
         if row is None:
             self._cache = state.cache  # it may have grown
+            self._cache_tokens = ids + outcome.tokens  # before a stop string's cut
         text, tokens, reason = maker.holdback.text, outcome.tokens, outcome.reason
         if reason == "stop_string":
             # The last chunk may run past the stop string: keep the tokens the text needs.
@@ -334,9 +337,20 @@ class Generator:
         # sized once.
         capacity = (capacity_for(len(prompt), limit, GROWTH_STEP) if self.target.grows_cache
                     else limit)
-        if self._cache is None or self._cache.capacity != capacity:
+        # On a batched graph, which computes a row alike in every call, the rows of the
+        # last generation that start this prompt stay and its prefill runs the rest (a chat's
+        # system prompt and earlier turns); at least the last token runs, for its logits.
+        reuse = 0
+        if self._cache is not None and self.target.spec.attention == "batched":
+            reuse = min(shared_prefix(prompt, self._cache_tokens), len(prompt) - 1,
+                        self._cache.length)
+        self._cache_tokens = []  # until this generation ends, its rows are its own
+        if self._cache is not None and reuse and self._cache.capacity != capacity:
+            self._cache.rollback(reuse)
+            self._cache = self._cache.grown(capacity)  # a copy of the rows kept
+        elif self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
-        self._cache.rollback(0)
+        self._cache.rollback(reuse)
         if self.target.spec.keeps_features:
             # The features cost a feature draft's fuse product: computed only for one.
             self.target.keep_features = bool(drafter and drafter.needs_features)

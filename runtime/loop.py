@@ -90,13 +90,16 @@ def speculative_step(state: GenerationState, context: list[int], k: int,
 
 
 def prefill(state: GenerationState, prompt: list[int]) -> int:
-    """Run the prompt through the target (and the drafter) and choose the first token."""
+    """Run the prompt through the target (and the drafter) and choose the first token. The
+    target's cache may hold rows for the prompt's first tokens already (an earlier
+    generation's, generator.py): only the rest runs."""
     with state.clock.time("prefill"):
-        rows = state.selector.call_model(state.target, state.cache, prompt, 1)
+        start = state.cache.length
+        rows = state.selector.call_model(state.target, state.cache, prompt[start:], 1)
         if state.drafter:
             state.drafter.start(prompt, state.limit)
             if state.drafter.needs_features:
-                state.drafter.observe(state.target.features, 0)
+                state.drafter.observe(state.target.features, start)
     with state.clock.time("sampling"):
         return state.selector.pick(rows, state.config.sampling, state.rng)
 

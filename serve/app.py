@@ -86,6 +86,7 @@ class ServerSettings:
     api_key: str | None = None           # None: no key asked for
     max_queue: int = 32                  # requests waiting beyond the running ones
     max_batch: int = 1                   # requests generated at once (runtime/batch.py)
+    prompt_cache_mb: int = 256           # a batch's store of earlier prompts' rows (MiB)
     request_timeout: float = 600.0       # seconds from arrival to the last token
     shutdown_timeout: float = 30.0       # seconds SIGTERM waits for in-flight requests
     draft_tokens: int | str | None = None  # a request's K unless it sets its own
@@ -137,7 +138,7 @@ class Server:
                                      threads=settings.threads,
                                      spinning=settings.spinning)),
                                  self.metrics.queue_changed, settings.max_batch,
-                                 self.metrics.batch_call)
+                                 self.metrics.batch_call, settings.prompt_cache_mb * 2**20)
         self.engine = engine
         self.text: PromptText | None = None  # set once the engine has loaded the bundle
         self.phase = "loading"

@@ -57,6 +57,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "(continuous batching); more than 1 needs a bundle exported with "
                    "--attention batched (exact at every precision) or portable (default 1: "
                    "one at a time)")
+    p.add_argument("--prompt-cache-mb", type=int, default=256,
+                   help="with --max-batch > 1: host memory (MiB) for the K/V rows of earlier "
+                   "requests, so that a prompt that starts like one of them (a system prompt, "
+                   "an earlier turn) computes only the rest (default 256; 0: off)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -150,6 +154,8 @@ def _settings(args: argparse.Namespace):
                  "body_timeout"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if args.prompt_cache_mb < 0:
+        fail("--prompt-cache-mb must be >= 0")
     if not 0 <= args.port < 65536:
         fail(f"--port must be in [0, 65535], got {args.port}")
     with bad_input_exits_2():
@@ -159,7 +165,7 @@ def _settings(args: argparse.Namespace):
         bundle=args.bundle, backend=args.backend, threads=args.threads,
         spinning=args.thread_spinning,
         model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
-        max_batch=args.max_batch,
+        max_batch=args.max_batch, prompt_cache_mb=args.prompt_cache_mb,
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
         draft_tokens=args.draft_tokens, drafter=args.drafter,
         draft_threshold=args.draft_threshold, max_tokens=args.max_tokens,

@@ -199,8 +199,12 @@ class LocalEngine:
 
     def __init__(self, max_queue: int, stall_timeout: float, load: Callable[[], Generator],
                  on_queue_change: Callable[[int, int], None] | None = None,
-                 max_batch: int = 1, on_batch_call: Callable[[int], None] | None = None):
+                 max_batch: int = 1, on_batch_call: Callable[[int], None] | None = None,
+                 store_bytes: int = 0):
+        """`store_bytes`: with max_batch > 1, the batch's store of earlier prompts' rows
+        (runtime/prefix_store.py)."""
         self.load = load
+        self.store_bytes = store_bytes
         self.stall_timeout = stall_timeout
         self.worker = Worker(max_queue, on_queue_change, max_batch)
         self.on_batch_call = on_batch_call
@@ -220,7 +224,7 @@ class LocalEngine:
                 from specedge.runtime.batch import BatchSession  # that cannot batch
 
                 self.worker.session = BatchSession(generator, self.worker.max_batch,
-                                                   self.on_batch_call)
+                                                   self.on_batch_call, self.store_bytes)
             self.worker.generator = generator
             return generator
 

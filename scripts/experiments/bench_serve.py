@@ -55,8 +55,15 @@ sd / sqrt(R)) of the log ratios (R rounds, none for R = 1).
 The client runs on the same machine as the servers and takes some of its CPU; it takes the
 same share from every system.
 
+Servers keep the prompts they computed (llama.cpp's server its slots' and `--cache-ram`;
+ours, on a batched bundle, its slots' and `--prompt-cache-mb`), and every round asks the
+same prompts again, so from the second round on a prompt is mostly found, not computed:
+the figures of a server that answers the same questions again. `--unique-prompts` starts
+each request's message with a tag of its own: distinct users' questions, which share only
+the chat template's system prompt.
+
     python scripts/experiments/bench_serve.py [--bundle DIR] [--threads N] [--rounds 3]
-        [--concurrency 1 4 16] [--prompts 16] [--max-tokens 64] [--quick]
+        [--concurrency 1 4 16] [--prompts 16] [--max-tokens 64] [--unique-prompts] [--quick]
         [--no-llama-cpp] [--max-batch N] [--llama-server PATH]
         [--out bench_results/serve.json]
 
@@ -389,6 +396,13 @@ def default_bundle() -> Path:
     return out
 
 
+def tagged(prompts: list[str], run: str) -> list[str]:
+    """The prompts, each message starting with a tag of its own ("[run.i]"), so that no
+    server has computed the prompt before (servers that keep prompts, llama.cpp's and
+    ours, then reuse only the chat template's system prompt): requests of distinct users."""
+    return [f"[{run}.{i}] {p}" for i, p in enumerate(prompts)]
+
+
 def select_prompts(n: int) -> list[dict]:
     """`n` prompts of the shipped set, evenly spaced through it (its categories come in
     blocks, so the first n would be one category)."""
@@ -493,8 +507,10 @@ def ratios(runs: dict[tuple[str, int], list[Run]], concurrency: list[int]) -> li
 
 def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: list[int],
             prompts: list[dict], max_tokens: int, cache: Path, llama_cpp: bool,
-            max_batch: int = 1, llama_server: Path | None = None) -> dict:
-    """Start the servers, run every round, and return the report's figures."""
+            max_batch: int = 1, llama_server: Path | None = None,
+            unique: bool = False) -> dict:
+    """Start the servers, run every round, and return the report's figures. `unique`: each
+    request's message starts with a tag of its own (`tagged`)."""
     from specedge.runtime.generator import Generator
 
     logs = cache / "logs"
@@ -569,6 +585,8 @@ def measure(bundle: Path, gguf_source, threads: int, rounds: int, concurrency: l
             for name, c in plan[turn:] + plan[:turn]:
                 n = max(len(prompts), c)
                 chosen = [prompts[i % len(prompts)]["prompt"] for i in range(n)]
+                if unique:
+                    chosen = tagged(chosen, f"{r}.{plan.index((name, c))}")
                 if name in IN_PROCESS:
                     run = in_process_run(generator, [[{"role": "user", "content": p}]
                                                      for p in chosen], max_tokens,
@@ -660,6 +678,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=16,
                     help="prompts of the shipped set, spread over it (default 16)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--unique-prompts", action="store_true",
+                    help="start each request's message with a tag of its own, so that no "
+                    "server finds a prompt it computed before (servers keep prompts: "
+                    "llama.cpp's, and ours on a batched bundle); without it every round "
+                    "asks the same prompts again")
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK['rounds']} round, concurrency "
                          f"{' '.join(map(str, QUICK['concurrency']))}, {QUICK['prompts']} "
@@ -707,7 +730,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bundle": str(bundle),
         "precision": json.loads((bundle / "manifest.json").read_text()).get("precision"),
         "threads": args.threads, "rounds": args.rounds, "concurrency": concurrency,
-        "max_batch": args.max_batch,
+        "max_batch": args.max_batch, "unique_prompts": args.unique_prompts,
         "prompts": len(prompts), "prompt_indices": [p["index"] for p in prompts],
         "prompt_categories": sorted({p["category"] for p in prompts}),
         "max_tokens": args.max_tokens, "greedy": True, "stream": True,
@@ -715,7 +738,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results.update(measure(bundle, lambda: gguf_for(bundle, cache), args.threads,
                            args.rounds, concurrency, prompts, args.max_tokens, cache,
-                           not args.no_llama_cpp, args.max_batch, llama_server))
+                           not args.no_llama_cpp, args.max_batch, llama_server,
+                           args.unique_prompts))
     results["load_average"]["end"] = _load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out, json.dumps(results, indent=2) + "\n")

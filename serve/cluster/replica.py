@@ -93,7 +93,7 @@ class GeneratorReplica:
         # one-token step, which may meet a request that arrives meanwhile.
         self.metrics = ReplicaMetrics()
         self.session = (BatchSession(self.generator, settings.max_batch + 1,
-                                     self.metrics.batch_call)
+                                     self.metrics.batch_call, settings.prompt_cache_mb * 2**20)
                         if settings.max_batch > 1 else None)
         self.steps = ThreadPoolExecutor(settings.max_batch + (self.session is not None),
                                         thread_name_prefix="specedge-steps")

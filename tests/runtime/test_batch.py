@@ -236,6 +236,33 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     assert prefill_chunks(100, 1, chunked=False) == [100]
 
 
+def spy_calls(monkeypatch, gen: Generator) -> list[tuple[str, int]]:
+    """The (model, tokens a row) of every call of gen's models from now on, in order."""
+    calls: list[tuple[str, int]] = []
+    originals = {name: getattr(OrtCpuBackend, name) for name in ("forward", "forward_slots")}
+
+    def spy(name):
+        def call(self, cache_or_caches, *args, **kwargs):
+            role = "target" if self is gen.target else "draft"
+            calls.append((role, len(args[0]) if name == "forward" else
+                          max(len(t) for t in args[1].values())))
+            return originals[name](self, cache_or_caches, *args, **kwargs)
+        return call
+
+    for name in originals:
+        monkeypatch.setattr(OrtCpuBackend, name, spy(name))
+    return calls
+
+
+def run_to_end(session: BatchSession, ids: list[int], config: GenerationConfig) -> list[int]:
+    pieces = session.run(ids, config)
+    try:
+        while True:
+            next(pieces)
+    except StopIteration as done:
+        return done.value.token_ids
+
+
 @pytest.mark.parametrize("form", ["batched-int4", "batched-fp32", "portable-fp32"])
 def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
         form, gen, batched_bundles, monkeypatch):
@@ -250,35 +277,12 @@ def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
         gen = Generator.from_bundle(batched_bundles[form.split("-", 1)[1]])
     first = gen.encode_prompt(PROMPTS[1], raw=True)
     session = BatchSession(gen, 2)
-    calls: list[tuple[str, int]] = []
-    originals = {name: getattr(OrtCpuBackend, name) for name in ("forward", "forward_slots")}
-
-    def spy(name):
-        def call(self, cache_or_caches, *args, **kwargs):
-            role = "target" if self is gen.target else "draft"
-            if name == "forward":
-                calls.append((role, len(args[0])))
-            else:
-                calls.append((role, max(len(t) for t in args[1].values())))
-            return originals[name](self, cache_or_caches, *args, **kwargs)
-        return call
-
-    for name in originals:
-        monkeypatch.setattr(OrtCpuBackend, name, spy(name))
-
-    def run(ids: list[int], config: GenerationConfig) -> list[int]:
-        pieces = session.run(ids, config)
-        try:
-            while True:
-                next(pieces)
-        except StopIteration as done:
-            return done.value.token_ids
-
+    calls = spy_calls(monkeypatch, gen)
     config = GenerationConfig(max_new_tokens=20, drafter="model", draft_tokens=2)
-    answer = run(first, replace(config, max_new_tokens=12))
+    answer = run_to_end(session, first, replace(config, max_new_tokens=12))
     second = first + answer + gen.encode_prompt(PROMPTS[3], raw=True)
     calls.clear()
-    got = run(second, config)
+    got = run_to_end(session, second, config)
     batched = form != "portable-fp32"
     held = len(first) + len(answer) - 1  # the last token has no row yet
     assert calls[0] == ("target", len(second) - held if batched else len(second))
@@ -288,14 +292,48 @@ def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
         assert first_draft <= len(second) - len(first)
     else:
         assert first_draft == len(second)
+    other = np.random.default_rng(7).integers(3, 34, 30).tolist()
+    calls.clear()
+    run_to_end(session, other, GenerationConfig(max_new_tokens=4, use_draft=False))
+    assert calls[0] == ("target", len(other))
     monkeypatch.undo()
     assert got == gen.generate(prompt_ids=second, max_new_tokens=20, use_draft=False).token_ids
-    other = np.random.default_rng(7).integers(3, 34, 30).tolist()
-    for name in originals:
-        monkeypatch.setattr(OrtCpuBackend, name, spy(name))
-    calls.clear()
-    run(other, GenerationConfig(max_new_tokens=4, use_draft=False))
-    assert calls[0] == ("target", len(other))
+    if batched:  # the prompt's rows kept in its slot: those of its plain decoding alone
+        np.testing.assert_array_equal(session.models[0].caches.planes[:, 0, :, :len(second)],
+                                      gen._cache.planes[:, 0, :, :len(second)])
+
+
+@pytest.mark.parametrize("store", ["store", "no store"])
+def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, monkeypatch):
+    """One slot: a conversation's first turn, then an unrelated prompt (the slot's rows go
+    to the host-memory store as it overwrites them), then the conversation's second turn:
+    its target and draft rows are copied back from the store and only the rest of its
+    prompt runs, with greedy tokens equal to its plain decoding alone; a session without a
+    store (0 bytes) runs it whole."""
+    gen = Generator.from_bundle(batched_bundles["int4"])
+    session = BatchSession(gen, 1, store_bytes=batch_module.PREFIX_STORE_BYTES
+                           if store == "store" else 0)
+    config = GenerationConfig(max_new_tokens=20, drafter="model", draft_tokens=2)
+    first = gen.encode_prompt(PROMPTS[1], raw=True)
+    answer = run_to_end(session, first, replace(config, max_new_tokens=12))
+    run_to_end(session, np.random.default_rng(8).integers(3, 34, 40).tolist(),
+               replace(config, max_new_tokens=6))
+    assert len(session.store.entries) == (store == "store")
+    second = first + answer + gen.encode_prompt(PROMPTS[3], raw=True)
+    calls = spy_calls(monkeypatch, gen)
+    got = run_to_end(session, second, config)
+    held = len(first) + len(answer) - 1
+    first_draft = next(n for role, n in calls if role == "draft")
+    if store == "store":
+        assert calls[0] == ("target", len(second) - held)
+        assert first_draft <= len(second) - len(first)
+    else:
+        assert calls[0] == ("target", len(second)) and first_draft == len(second)
+    monkeypatch.undo()
+    assert got == gen.generate(prompt_ids=second, max_new_tokens=20, use_draft=False).token_ids
+    # The prompt's rows in the slot are the rows of its plain decoding alone, bit for bit.
+    np.testing.assert_array_equal(session.models[0].caches.planes[:, 0, :, :len(second)],
+                                  gen._cache.planes[:, 0, :, :len(second)])
 
 
 def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypatch):

@@ -117,3 +117,28 @@ def test_max_batch_refuses_a_bundle_that_cannot_batch(tiny_fused_bundle, tmp_pat
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--attention batched" in out.stderr
+
+
+def test_a_negative_prompt_cache_is_refused_in_one_line(tiny_batched_bundle):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specedge.cli", "serve", "--bundle",
+                          str(tiny_batched_bundle), "--max-batch", "2", "--prompt-cache-mb",
+                          "-1", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith("--prompt-cache-mb must be >= 0")
+
+
+def test_the_prompt_cache_flag_reaches_the_batch_engine(tiny_batched_bundle):
+    import argparse
+
+    from specedge.serve.app import Server
+    from specedge.serve.cli import _settings, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = ["--bundle", str(tiny_batched_bundle), "--max-batch", "2"]
+    assert _settings(parser.parse_args(args)).prompt_cache_mb == 256
+    settings = _settings(parser.parse_args([*args, "--prompt-cache-mb", "3"]))
+    assert Server(settings).engine.store_bytes == 3 * 2**20

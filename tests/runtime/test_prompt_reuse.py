@@ -1,0 +1,74 @@
+"""One generation after another on a Generator: on a batched graph (which computes a row
+alike in every call) the target's rows of the last generation that start the next prompt
+stay, and its prefill runs only the rest, with the tokens and rows of a fresh generation;
+other graphs, and a generation that failed, start from nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specedge.runtime import Generator
+from specedge.runtime.backends.ort_cpu import OrtCpuBackend
+
+
+def prompt_calls(monkeypatch, gen: Generator) -> list[int]:
+    """The tokens of each target call of `gen` from now on."""
+    sizes: list[int] = []
+    forward = OrtCpuBackend.forward
+
+    def spy(self, cache, token_ids, *args, **kwargs):
+        if self is gen.target:
+            sizes.append(len(token_ids))
+        return forward(self, cache, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(OrtCpuBackend, "forward", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("form", ["batched", "fused"])
+def test_a_second_turn_prefills_past_the_first(form, tiny_batched_bundle, tiny_fused_bundle,
+                                              monkeypatch):
+    gen = Generator.from_bundle(tiny_batched_bundle if form == "batched" else tiny_fused_bundle)
+    fresh = Generator.from_bundle(tiny_batched_bundle if form == "batched" else
+                                  tiny_fused_bundle)
+    first = gen.encode_prompt("the cat sat on the mat", raw=True)
+    answer = gen.generate(prompt_ids=first, max_new_tokens=10, drafter="model",
+                          draft_tokens=2).token_ids
+    second = first + answer + gen.encode_prompt(" and then", raw=True)
+    sizes = prompt_calls(monkeypatch, gen)
+    got = gen.generate(prompt_ids=second, max_new_tokens=16, drafter="model", draft_tokens=2)
+    held = len(first) + len(answer) - 1  # the last token has no row yet
+    assert sizes[0] == (len(second) - held if form == "batched" else len(second))
+    monkeypatch.undo()
+    want = fresh.generate(prompt_ids=second, max_new_tokens=16, drafter="model", draft_tokens=2)
+    assert got.token_ids == want.token_ids
+    n = len(second)
+    np.testing.assert_array_equal(gen._cache.planes[..., :n, :], fresh._cache.planes[..., :n, :])
+
+
+def test_a_generation_that_failed_leaves_nothing_to_reuse(tiny_batched_bundle, monkeypatch):
+    """Its prompt's rows overwrote the earlier ones: the next prompt, which starts like the
+    earlier generation, runs whole."""
+    gen = Generator.from_bundle(tiny_batched_bundle)
+    first = gen.encode_prompt("one two three four five", raw=True)
+    gen.generate(prompt_ids=first, max_new_tokens=8, use_draft=False)
+    forward = OrtCpuBackend.forward
+
+    def fail_after_prefill(self, cache, token_ids, *args, **kwargs):
+        if cache.length > 0 and self is gen.target:
+            raise RuntimeError("a step failed")
+        return forward(self, cache, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(OrtCpuBackend, "forward", fail_after_prefill)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        gen.generate(prompt_ids=gen.encode_prompt("zz yy xx ww", raw=True),
+                     max_new_tokens=8, use_draft=False)
+    monkeypatch.undo()
+    sizes = prompt_calls(monkeypatch, gen)
+    again = first + gen.encode_prompt(" six", raw=True)
+    got = gen.generate(prompt_ids=again, max_new_tokens=8, use_draft=False).token_ids
+    assert sizes[0] == len(again)
+    monkeypatch.undo()
+    assert got == Generator.from_bundle(tiny_batched_bundle).generate(
+        prompt_ids=again, max_new_tokens=8, use_draft=False).token_ids
