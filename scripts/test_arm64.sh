@@ -32,7 +32,7 @@ ARM64_CPU=${ARM64_CPU:-max}
 # tests: minutes each under emulation; they run in the main suite).
 ARM64_TESTS=${ARM64_TESTS:-"tests/runtime/test_generator.py tests/runtime/test_kv_cache.py
   tests/runtime/test_drafter_protocol.py tests/runtime/test_stop_strings.py
-  tests/runtime/test_pieces.py
+  tests/runtime/test_pieces.py tests/runtime/test_prefix_store.py tests/runtime/test_prompt_reuse.py
   tests/runtime/test_thread_settings.py tests/runtime/test_no_torch.py
   tests/runtime/test_sampling.py tests/runtime/test_auto_k_file.py
   tests/serve/test_server_api.py tests/serve/test_server_batch.py tests/test_doctor.py
