@@ -20,12 +20,12 @@ graph's KV layout (runtime/bundle.py):
   nodes write each row's new K/V rows into the cache buffers in place, at that row's
   past_length, and ONNX's own Attention attends over them with the queries grouped by KV
   head, under a mask built once per call (`scatter_inputs`). Unlike GroupQueryAttention's
-  CPU kernel, it
-  takes several rows of several tokens each, which batched decoding's verification calls
-  are (runtime/batch.py); it computes a row alike in every call, whatever its T and the
-  other rows are (`ScatterAttention`). The graph rotates q and k before it (with ONNX
-  Runtime's RotaryEmbedding where GroupQueryAttention would rotate them). It attends
-  over the whole capacity (the padding masked), so its step costs more with the capacity.
+  CPU kernel, it takes several rows of several tokens each, which batched decoding's
+  verification calls are (runtime/batch.py); it computes a row alike in every call,
+  whatever its T and the other rows are (`ScatterAttention`). The graph rotates q and k
+  before it (with ONNX Runtime's RotaryEmbedding where GroupQueryAttention would rotate
+  them). It attends over the whole capacity (the padding masked), so its step costs more
+  with the capacity.
 
 Neither repeats K/V heads for grouped-query attention (queries are grouped instead).
 
@@ -228,8 +228,9 @@ class ScatterAttention(torch.autograd.Function):
     The queries go to the kernel grouped by the KV head they read, [B, Hkv, G R, D] (a free
     reshape: query head h reads KV head h // G), so that it runs Hkv heads over the cache
     and never repeats K and V for the G query heads of each: on SmolLM2 (G = 4), four rows
-    of one token over 256 cached rows, 74 against 128 microseconds a layer. What the kernel
-    then sees as one head's sequence is G R query rows, each with its own mask row.
+    of one token over 256 cached rows, 74 against 128 microseconds an Attention node on
+    2 threads. What the kernel then sees as one head's sequence is G R query rows, each
+    with its own mask row.
 
     `forward` is the same math in torch (`cached_attention` on copies of the buffers): what
     tracing runs. `symbolic` is the nodes the graph gets; the graph's opset is raised to 24
@@ -287,5 +288,3 @@ def scatter_inputs(past_length: torch.Tensor, input_ids: torch.Tensor,
     ends = past_length.reshape(-1, 1, 1) + query.reshape(1, -1, 1) + (1 - first)  # [B, G R, 1]
     mask = torch.arange(capacity).reshape(1, 1, -1) < ends  # [B, G R, C]
     return past_length, mask.unsqueeze(1)
-
-
