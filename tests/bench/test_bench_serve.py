@@ -31,7 +31,7 @@ from bench_serve import (  # noqa: E402
 TOP_FIELDS = {"machine", "date", "git_commit", "command", "bundle", "precision", "threads",
               "rounds", "concurrency", "prompts", "prompt_indices", "prompt_categories",
               "max_tokens", "greedy", "stream", "systems", "ratios", "llama_cpp",
-              "prompt_tokens_first", "load_average", "max_batch"}
+              "prompt_tokens_first", "load_average", "max_batch", "unique_prompts"}
 
 
 def test_answer_timings():
@@ -64,6 +64,7 @@ def test_script_on_the_tiny_bundle(tiny_bundle, tmp_path, capsys):
 
     assert set(results) == TOP_FIELDS
     assert results["max_batch"] == 0  # no batching server unless asked
+    assert results["unique_prompts"] is False  # every round asks the same prompts
     assert results["machine"]["cpu"] and results["machine"]["cores"] >= 1
     assert datetime.datetime.fromisoformat(results["date"]).tzinfo is not None
     assert "--no-llama-cpp" in results["command"]
@@ -118,9 +119,9 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
     seen = {}
 
     def measure(bundle, gguf, threads, rounds, concurrency, prompts, max_tokens, cache, llama,
-                max_batch, llama_server):
+                max_batch, llama_server, unique):
         seen.update(rounds=rounds, concurrency=concurrency, prompts=len(prompts),
-                    max_batch=max_batch, llama_server=llama_server)
+                    max_batch=max_batch, llama_server=llama_server, unique=unique)
         return {"systems": {}, "ratios": [], "llama_cpp": {"skipped": "test"},
                 "prompt_tokens_first": {}}
 
@@ -130,12 +131,24 @@ def test_quick_mode_settings(monkeypatch, tmp_path):
     (bundle / "manifest.json").write_text("{}")
     main(["--bundle", str(bundle), "--quick", "--out", str(tmp_path / "q.json")])
     assert seen == {"rounds": 1, "concurrency": [1, 4], "prompts": 4, "max_batch": 0,
-                    "llama_server": None}
+                    "llama_server": None, "unique": False}
     # With --max-batch, llama.cpp's own server with as many slots, where one is named.
     binary = tmp_path / "llama-server"
     main(["--bundle", str(bundle), "--quick", "--max-batch", "4", "--llama-server",
           str(binary), "--out", str(tmp_path / "q.json")])
     assert seen["max_batch"] == 4 and seen["llama_server"] == binary
+    main(["--bundle", str(bundle), "--quick", "--unique-prompts", "--out",
+          str(tmp_path / "q.json")])
+    assert seen["unique"] is True
+
+
+def test_unique_prompts_give_every_request_a_message_of_its_own():
+    """Each request's message starts with a tag of its own: no two messages of a run, or of
+    two runs, are alike, and each ends with its prompt."""
+    prompts = ["why is the sky blue?", "why is the sky blue?", "summarize: a text"]
+    first, second = bench_serve.tagged(prompts, "0.1"), bench_serve.tagged(prompts, "0.2")
+    assert len(set(first + second)) == 6
+    assert all(t.endswith(p) for t, p in zip(first, prompts))
 
 
 def test_llama_server_runs_with_parallel_slots_and_its_ngram_mode(monkeypatch, tmp_path):
