@@ -75,9 +75,10 @@ class PrefixStore:
         if len(key) < MIN_TOKENS:
             return False
         for old in list(self.entries.values()):
-            if shared_prefix(key, old.tokens) == len(key):
+            shared = shared_prefix(key, old.tokens)
+            if shared == len(key):
                 return False  # already held, or a longer sequence that starts with these
-            if shared_prefix(key, old.tokens) == len(old.tokens):
+            if shared == len(old.tokens):
                 self._drop(old.tokens)
         entry = Entry(key, [None if r is None else r.copy() for r in rows])
         if entry.nbytes > self.budget:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from model_calls import spy_calls
 from power_controls import resamples_from_p
 
 from specedge.export.bundle_writer import export_bundle
@@ -200,15 +201,7 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     first_ids = gen.encode_prompt(PROMPTS[1], raw=True)
     alone = [gen.generate(prompt_ids=first_ids, max_new_tokens=n, use_draft=False),
              gen.generate(prompt_ids=long_prompt, max_new_tokens=n, use_draft=False)]
-    sizes = []
-    forward = OrtCpuBackend.forward
-
-    def spy(self, cache, token_ids, *args, **kwargs):
-        if self is gen.target:
-            sizes.append(len(token_ids))
-        return forward(self, cache, token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(OrtCpuBackend, "forward", spy)
+    calls = spy_calls(monkeypatch, gen, ("forward",))
     session, results, started = BatchSession(gen, 2), [None, None], threading.Event()
 
     def run(i: int, ids: list[int], config: GenerationConfig) -> None:
@@ -230,28 +223,11 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
     for t in threads:
         t.join(120)
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    sizes = [n for role, n in calls if role == "target"]
     assert prefill_chunks(100, 1, chunked=True) == [PREFILL_CHUNK] * 5 + [20]
     assert Counter(sizes)[PREFILL_CHUNK] == 5 and 20 in sizes and 100 not in sizes
     assert sizes[0] == len(first_ids)  # nobody else running: one call
     assert prefill_chunks(100, 1, chunked=False) == [100]
-
-
-def spy_calls(monkeypatch, gen: Generator) -> list[tuple[str, int]]:
-    """The (model, tokens a row) of every call of gen's models from now on, in order."""
-    calls: list[tuple[str, int]] = []
-    originals = {name: getattr(OrtCpuBackend, name) for name in ("forward", "forward_slots")}
-
-    def spy(name):
-        def call(self, cache_or_caches, *args, **kwargs):
-            role = "target" if self is gen.target else "draft"
-            calls.append((role, len(args[0]) if name == "forward" else
-                          max(len(t) for t in args[1].values())))
-            return originals[name](self, cache_or_caches, *args, **kwargs)
-        return call
-
-    for name in originals:
-        monkeypatch.setattr(OrtCpuBackend, name, spy(name))
-    return calls
 
 
 def run_to_end(session: BatchSession, ids: list[int], config: GenerationConfig) -> list[int]:

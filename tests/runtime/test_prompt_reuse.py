@@ -7,23 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from model_calls import spy_calls
 
 from specedge.runtime import Generator
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 
 
-def prompt_calls(monkeypatch, gen: Generator) -> list[int]:
-    """The tokens of each target call of `gen` from now on."""
-    sizes: list[int] = []
-    forward = OrtCpuBackend.forward
-
-    def spy(self, cache, token_ids, *args, **kwargs):
-        if self is gen.target:
-            sizes.append(len(token_ids))
-        return forward(self, cache, token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(OrtCpuBackend, "forward", spy)
-    return sizes
+def target_calls(calls: list[tuple[str, int]]) -> list[int]:
+    """The tokens of each target call among `spy_calls`'s."""
+    return [n for role, n in calls if role == "target"]
 
 
 @pytest.mark.parametrize("form", ["batched", "fused"])
@@ -36,9 +28,10 @@ def test_a_second_turn_prefills_past_the_first(form, tiny_batched_bundle, tiny_f
     answer = gen.generate(prompt_ids=first, max_new_tokens=10, drafter="model",
                           draft_tokens=2).token_ids
     second = first + answer + gen.encode_prompt(" and then", raw=True)
-    sizes = prompt_calls(monkeypatch, gen)
+    calls = spy_calls(monkeypatch, gen, ("forward",))
     got = gen.generate(prompt_ids=second, max_new_tokens=16, drafter="model", draft_tokens=2)
     held = len(first) + len(answer) - 1  # the last token has no row yet
+    sizes = target_calls(calls)
     assert sizes[0] == (len(second) - held if form == "batched" else len(second))
     monkeypatch.undo()
     want = fresh.generate(prompt_ids=second, max_new_tokens=16, drafter="model", draft_tokens=2)
@@ -65,10 +58,10 @@ def test_a_generation_that_failed_leaves_nothing_to_reuse(tiny_batched_bundle, m
         gen.generate(prompt_ids=gen.encode_prompt("zz yy xx ww", raw=True),
                      max_new_tokens=8, use_draft=False)
     monkeypatch.undo()
-    sizes = prompt_calls(monkeypatch, gen)
+    calls = spy_calls(monkeypatch, gen, ("forward",))
     again = first + gen.encode_prompt(" six", raw=True)
     got = gen.generate(prompt_ids=again, max_new_tokens=8, use_draft=False).token_ids
-    assert sizes[0] == len(again)
+    assert target_calls(calls)[0] == len(again)
     monkeypatch.undo()
     assert got == Generator.from_bundle(tiny_batched_bundle).generate(
         prompt_ids=again, max_new_tokens=8, use_draft=False).token_ids
