@@ -26,7 +26,7 @@ from specedge.runtime.drafting.auto_k import Histories
 from specedge.runtime.kv_cache import GROWTH_STEP, capacity_for
 from specedge.runtime.loop import GenerationState, Step, decode
 from specedge.runtime.pieces import Piece, PieceMaker
-from specedge.runtime.prefix_store import shared_prefix
+from specedge.runtime.prefix_store import PrefixStore, shared_prefix
 from specedge.runtime.stats import StepClock, summarize
 from specedge.runtime.text import TextCodec
 
@@ -131,6 +131,11 @@ class Generator:
                                                                self.machine)
         self._lock = threading.Lock()  # held by the running generation
         self._owner: int | None = None  # the thread that holds it
+        # On a batched graph, the target's rows of earlier prompts that the next generation
+        # would overwrite (prefix_store.py): 0 bytes, none, until the owner gives it a budget
+        # (`specedge serve --prompt-cache-mb`), so that conversations taking turns each
+        # compute only what is new to them.
+        self.prompt_store = PrefixStore(0)
 
     def _use_models(self, target, draft) -> None:
         """Run on these backends from the next generation on (caches and drafts anew)."""
@@ -340,10 +345,19 @@ class Generator:
         # On a batched graph, which computes a row alike in every call, the rows of the
         # last generation that start this prompt stay and its prefill runs the rest (a chat's
         # system prompt and earlier turns); at least the last token runs, for its logits.
-        reuse = 0
-        if self._cache is not None and self.target.spec.attention == "batched":
-            reuse = min(shared_prefix(prompt, self._cache_tokens), len(prompt) - 1,
-                        self._cache.length)
+        # Rows the prompt would overwrite go to the prompt store first, and the store's
+        # rows that start the prompt, past those the cache holds, are copied in.
+        reuse, stored, entry = 0, 0, None
+        if self.target.spec.attention == "batched":
+            if self._cache is not None:
+                held = min(self._cache.length, len(self._cache_tokens))
+                reuse = min(shared_prefix(prompt, self._cache_tokens), len(prompt) - 1, held)
+                if reuse < held:
+                    self.prompt_store.add(self._cache_tokens[:held],
+                                          [self._cache.planes[:, 0, :, :held]])
+            stored, entry = self.prompt_store.longest(prompt)
+            if entry is not None:
+                stored = min(stored, len(prompt) - 1, entry.rows[0].shape[2])
         self._cache_tokens = []  # until this generation ends, its rows are its own
         if self._cache is not None and reuse and self._cache.capacity != capacity:
             self._cache.rollback(reuse)
@@ -351,6 +365,9 @@ class Generator:
         elif self._cache is None or self._cache.capacity != capacity:
             self._cache = self.target.new_cache(capacity)
         self._cache.rollback(reuse)
+        if stored > reuse:
+            self._cache.planes[:, 0, :, :stored] = entry.rows[0][:, :, :stored]
+            self._cache.reclaim(stored)
         if self.target.spec.keeps_features:
             # The features cost a feature draft's fuse product: computed only for one.
             self.target.keep_features = bool(drafter and drafter.needs_features)

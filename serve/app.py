@@ -86,7 +86,7 @@ class ServerSettings:
     api_key: str | None = None           # None: no key asked for
     max_queue: int = 32                  # requests waiting beyond the running ones
     max_batch: int = 1                   # requests generated at once (runtime/batch.py)
-    prompt_cache_mb: int = 256           # a batch's store of earlier prompts' rows (MiB)
+    prompt_cache_mb: int = 256           # store of earlier prompts' rows (MiB)
     request_timeout: float = 600.0       # seconds from arrival to the last token
     shutdown_timeout: float = 30.0       # seconds SIGTERM waits for in-flight requests
     draft_tokens: int | str | None = None  # a request's K unless it sets its own

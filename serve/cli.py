@@ -58,9 +58,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "--attention batched (exact at every precision) or portable (default 1: "
                    "one at a time)")
     p.add_argument("--prompt-cache-mb", type=int, default=256,
-                   help="with --max-batch > 1: host memory (MiB) for the K/V rows of earlier "
-                   "requests, so that a prompt that starts like one of them (a system prompt, "
-                   "an earlier turn) computes only the rest (default 256; 0: off)")
+                   help="on a bundle exported with --attention batched: host memory (MiB) "
+                   "for the K/V rows of earlier requests, so that a prompt that starts like "
+                   "one of them (a system prompt, an earlier turn) computes only the rest "
+                   "(default 256; 0: off)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -25,6 +25,7 @@ from typing import Any
 
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.generator import Generator
+from specedge.runtime.prefix_store import PrefixStore
 
 log = logging.getLogger("specedge.serve")
 
@@ -201,8 +202,9 @@ class LocalEngine:
                  on_queue_change: Callable[[int, int], None] | None = None,
                  max_batch: int = 1, on_batch_call: Callable[[int], None] | None = None,
                  store_bytes: int = 0):
-        """`store_bytes`: with max_batch > 1, the batch's store of earlier prompts' rows
-        (runtime/prefix_store.py)."""
+        """`store_bytes`: host memory for the rows of earlier prompts
+        (runtime/prefix_store.py): the batch's store with max_batch > 1, else the
+        generator's."""
         self.load = load
         self.store_bytes = store_bytes
         self.stall_timeout = stall_timeout
@@ -225,6 +227,8 @@ class LocalEngine:
 
                 self.worker.session = BatchSession(generator, self.worker.max_batch,
                                                    self.on_batch_call, self.store_bytes)
+            else:
+                generator.prompt_store = PrefixStore(self.store_bytes)
             self.worker.generator = generator
             return generator
 

@@ -22,6 +22,7 @@ from specedge.runtime.batch import BatchSession
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.generator import GenerationResult, Generator
 from specedge.runtime.pieces import Piece
+from specedge.runtime.prefix_store import PrefixStore
 from specedge.serve.app import ServerSettings
 from specedge.serve.metrics import BATCH_ROWS_BUCKETS, LATENCY_BUCKETS, generation_counts
 
@@ -95,6 +96,8 @@ class GeneratorReplica:
         self.session = (BatchSession(self.generator, settings.max_batch + 1,
                                      self.metrics.batch_call, settings.prompt_cache_mb * 2**20)
                         if settings.max_batch > 1 else None)
+        if self.session is None:
+            self.generator.prompt_store = PrefixStore(settings.prompt_cache_mb * 2**20)
         self.steps = ThreadPoolExecutor(settings.max_batch + (self.session is not None),
                                         thread_name_prefix="specedge-steps")
         self.steps.submit(self._one_token).result()  # the first request pays no warm-up

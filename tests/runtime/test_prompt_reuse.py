@@ -1,7 +1,8 @@
 """One generation after another on a Generator: on a batched graph (which computes a row
 alike in every call) the target's rows of the last generation that start the next prompt
-stay, and its prefill runs only the rest, with the tokens and rows of a fresh generation;
-other graphs, and a generation that failed, start from nothing."""
+stay, or come back from the prompt store, and its prefill runs only the rest, with the
+tokens and rows of a fresh generation; other graphs, and a generation that failed, start
+from nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from model_calls import spy_calls
 
 from specedge.runtime import Generator
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
+from specedge.runtime.prefix_store import PrefixStore
 
 
 def target_calls(calls: list[tuple[str, int]]) -> list[int]:
@@ -65,3 +67,31 @@ def test_a_generation_that_failed_leaves_nothing_to_reuse(tiny_batched_bundle, m
     monkeypatch.undo()
     assert got == Generator.from_bundle(tiny_batched_bundle).generate(
         prompt_ids=again, max_new_tokens=8, use_draft=False).token_ids
+
+
+@pytest.mark.parametrize("budget", [2**26, 0])
+def test_conversations_taking_turns_find_their_rows_in_the_store(budget, tiny_batched_bundle,
+                                                                 monkeypatch):
+    """A's rows, overwritten by B's prompt, go to the prompt store and come back for A's
+    next turn: its prefill runs only the new tokens, with the tokens and rows of a fresh
+    generation. Without a budget the store keeps nothing and the turn runs whole."""
+    gen = Generator.from_bundle(tiny_batched_bundle)
+    gen.prompt_store = PrefixStore(budget)
+    a = gen.encode_prompt("the cat sat on the mat and looked at the dog in the garden "
+                          "while the sun went down over the hill", raw=True)
+    b = gen.encode_prompt("seven wizards quietly judge boxing matches in the old hall "
+                          "of the castle by the river", raw=True)
+    assert len(a) >= 16 and a[0] != b[0]
+    answer = gen.generate(prompt_ids=a, max_new_tokens=8, use_draft=False).token_ids
+    gen.generate(prompt_ids=b, max_new_tokens=8, use_draft=False)
+    turn = a + answer + gen.encode_prompt(" and then", raw=True)
+    calls = spy_calls(monkeypatch, gen, ("forward",))
+    got = gen.generate(prompt_ids=turn, max_new_tokens=12, drafter="model", draft_tokens=2)
+    held = len(a) + len(answer) - 1  # the last token has no row yet
+    assert target_calls(calls)[0] == (len(turn) - held if budget else len(turn))
+    monkeypatch.undo()
+    fresh = Generator.from_bundle(tiny_batched_bundle)
+    want = fresh.generate(prompt_ids=turn, max_new_tokens=12, drafter="model", draft_tokens=2)
+    assert got.token_ids == want.token_ids
+    n = len(turn)
+    np.testing.assert_array_equal(gen._cache.planes[..., :n, :], fresh._cache.planes[..., :n, :])

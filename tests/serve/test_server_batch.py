@@ -142,3 +142,23 @@ def test_the_prompt_cache_flag_reaches_the_batch_engine(tiny_batched_bundle):
     assert _settings(parser.parse_args(args)).prompt_cache_mb == 256
     settings = _settings(parser.parse_args([*args, "--prompt-cache-mb", "3"]))
     assert Server(settings).engine.store_bytes == 3 * 2**20
+
+
+def test_one_request_at_a_time_the_prompt_cache_goes_to_the_generator(tiny_batched_bundle):
+    import threading
+
+    from specedge.runtime import Generator
+    from specedge.serve.worker import LocalEngine
+
+    engine = LocalEngine(4, 30.0, lambda: Generator.from_bundle(tiny_batched_bundle),
+                         max_batch=1, store_bytes=3 * 2**20)
+    done, got = threading.Event(), []
+    engine.start(lambda g: (got.append(g), done.set()), lambda m: (got.append(m), done.set()))
+    try:
+        assert done.wait(60)
+        assert isinstance(got[0], Generator), got
+        assert got[0].prompt_store.budget == 3 * 2**20
+        assert engine.worker.session is None
+    finally:
+        engine.stop()
+        engine.join(10)
