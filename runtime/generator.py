@@ -73,6 +73,9 @@ class _AutoSpinning:
     meter: cpu_load.LoadMeter
     open_models: Callable[[bool], tuple]
     wanted: bool | None = None  # what the latest reading calls for
+    # Generations not yet judged: their seconds, and the others' core-seconds meanwhile.
+    seconds: float = 0.0
+    others: float = 0.0
 
 
 @dataclass
@@ -184,23 +187,33 @@ class Generator:
         return gen
 
     def _follow_load(self, reopen: bool) -> None:
-        """With spinning "auto": read other processes' use of the CPUs since the last
-        reading, when that was at least MIN_WINDOW_SECONDS ago (the generation that just
-        ended, or the pause before this one), and with `reopen` (before a generation), when
-        the latest reading calls for the other setting, reopen the graphs with it. The
-        reading after a generation only decides, so that no caller waits for a reopening
-        after its last token. The old sessions go first, so that memory never holds both."""
+        """With spinning "auto": before a generation (`reopen`), reopen the graphs when the
+        latest reading calls for the other setting, and start the meter's window; after
+        one, read the others' use of the CPUs during it, and once generations of at least
+        MIN_WINDOW_SECONDS are read, decide. The pauses between generations are not read:
+        another process busy only while this one waits (a client, a job between requests)
+        does not slow its generations, and judging by the pauses reopened the graphs twice
+        (0.7 s each for SmolLM2-135M) at every change of turn. The old sessions go first,
+        so that memory never holds both."""
         auto = self._auto_spinning
         if auto is None:
             return
-        if auto.meter.elapsed() >= cpu_load.MIN_WINDOW_SECONDS:
-            auto.wanted = cpu_load.spin_now(auto.meter.others(), bool(self.spinning))
-        if not reopen or auto.wanted is None or auto.wanted == self.spinning:
+        if not reopen:
+            seconds, others = auto.meter.elapsed(), auto.meter.others()
+            if others is None:
+                auto.wanted = cpu_load.spin_now(None, bool(self.spinning))
+                return
+            auto.seconds += seconds
+            auto.others += others * seconds
+            if auto.seconds >= cpu_load.MIN_WINDOW_SECONDS:
+                auto.wanted = cpu_load.spin_now(auto.others / auto.seconds, bool(self.spinning))
+                auto.seconds = auto.others = 0.0
             return
-        self._use_models(None, None)
-        self._use_models(*auto.open_models(auto.wanted))
-        self.spinning = auto.wanted
-        auto.meter.others()  # the reopening's own CPU time is not the others' load
+        if auto.wanted is not None and auto.wanted != self.spinning:
+            self._use_models(None, None)
+            self._use_models(*auto.open_models(auto.wanted))
+            self.spinning = auto.wanted
+        auto.meter.others()  # the window starts now: not the pause, nor the reopening
 
     def context_limit(self, config: GenerationConfig) -> int:
         """Largest prompt + max_new_tokens for a generation with `config` (`context_limit`)."""

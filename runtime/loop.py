@@ -90,9 +90,10 @@ def speculative_step(state: GenerationState, context: list[int], k: int,
 
 
 def prefill(state: GenerationState, prompt: list[int]) -> int:
-    """Run the prompt through the target (and the drafter) and choose the first token. The
-    target's cache may hold rows for the prompt's first tokens already (an earlier
-    generation's, generator.py): only the rest runs."""
+    """Run the prompt through the target and choose the first token; the drafter only
+    starts (a model draft takes the prompt in at its first draft step). The target's cache
+    may hold rows for the prompt's first tokens already (an earlier generation's,
+    generator.py): only the rest runs."""
     with state.clock.time("prefill"):
         start = state.cache.length
         rows = state.selector.call_model(state.target, state.cache, prompt[start:], 1)

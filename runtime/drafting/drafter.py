@@ -31,8 +31,8 @@ class Drafter(Protocol):
     needs_features: bool
 
     def start(self, prompt: list[int], capacity: int) -> None:
-        """Begin a generation (a model drafter prefills the prompt into a cache of
-        `capacity` rows)."""
+        """Begin a generation (a model drafter readies a cache of `capacity` rows, which
+        takes in the prompt at the first draft step)."""
 
     def source(self, context: list[int]) -> str:
         """What will propose the next draft: lookup+model has two sources, and auto K keeps

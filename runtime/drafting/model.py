@@ -25,10 +25,12 @@ class ModelDrafter:
         self.caught_up = 0
 
     def start(self, prompt: list[int], capacity: int) -> None:
+        """An empty cache: the prompt goes in with the first draft step (`_catch_up`), so
+        that the first token does not wait for it, and a generation that never drafts (auto
+        K at a batch size where drafting does not pay, batch.py) never runs it."""
         if self.cache is None or self.cache.capacity != capacity:
             self.cache = self.backend.new_cache(capacity)
         self.cache.rollback(0)
-        self.selector.call_model(self.backend, self.cache, prompt, 1)
 
     def source(self, context: list[int]) -> str:
         return self.name
@@ -50,7 +52,8 @@ class ModelDrafter:
 
     def _catch_up(self, context: list[int]):
         """The first draft step: the cache holds rows for a prefix of the context; the rest
-        (1 or 2 tokens, more after lookup drafts) goes in with it."""
+        (1 or 2 tokens, more after lookup drafts or steps without drafts, the whole prompt
+        at the first) goes in with it."""
         self.caught_up = len(context) - self.cache.length
         return self.selector.call_model(self.backend, self.cache, context[self.cache.length:], 1)
 

@@ -262,12 +262,13 @@ def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
     batched = form != "portable-fp32"
     held = len(first) + len(answer) - 1  # the last token has no row yet
     assert calls[0] == ("target", len(second) - held if batched else len(second))
-    # The draft's rows: as far as its last accepted draft.
+    # The draft's rows: as far as its last accepted draft. It takes the prompt in at its
+    # first draft step, with the first token.
     first_draft = next(n for role, n in calls if role == "draft")
     if batched:
-        assert first_draft <= len(second) - len(first)
+        assert first_draft <= len(second) - len(first) + 1
     else:
-        assert first_draft == len(second)
+        assert first_draft == len(second) + 1
     other = np.random.default_rng(7).integers(3, 34, 30).tolist()
     calls.clear()
     run_to_end(session, other, GenerationConfig(max_new_tokens=4, use_draft=False))
@@ -302,9 +303,9 @@ def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, mo
     first_draft = next(n for role, n in calls if role == "draft")
     if store == "store":
         assert calls[0] == ("target", len(second) - held)
-        assert first_draft <= len(second) - len(first)
+        assert first_draft <= len(second) - len(first) + 1
     else:
-        assert calls[0] == ("target", len(second)) and first_draft == len(second)
+        assert calls[0] == ("target", len(second)) and first_draft == len(second) + 1
     monkeypatch.undo()
     assert got == gen.generate(prompt_ids=second, max_new_tokens=20, use_draft=False).token_ids
     # The prompt's rows in the slot are the rows of its plain decoding alone, bit for bit.

@@ -114,19 +114,49 @@ def test_a_generator_reopens_its_sessions_when_the_load_changes(tiny_bundle):
     gen._use_models(*gen._auto_spinning.open_models(True))
     assert allow_spinning(gen) == ["1", "1"]
 
-    gen._auto_spinning.meter = SteadyMeter(1.0)  # another process took a core
+    # Another process takes a core while it generates: read after the generation, the
+    # next one runs without spinning.
+    gen._auto_spinning.meter = SteadyMeter(1.0)
+    result = gen.generate(PROMPT, raw=True, max_new_tokens=24)
+    assert result.stats["threads_spinning"] is True
     result = gen.generate(PROMPT, raw=True, max_new_tokens=24)
     assert (gen.spinning, result.stats["threads_spinning"]) == (False, False)
     assert allow_spinning(gen) == ["0", "0"] and result.token_ids == want
 
     gen._auto_spinning.meter = SteadyMeter(0.0, elapsed=0.1)  # too short to judge
     gen.generate(PROMPT, raw=True, max_new_tokens=8)
+    gen.generate(PROMPT, raw=True, max_new_tokens=8)
     assert gen.spinning is False
 
     gen._auto_spinning.meter = SteadyMeter(0.0)  # the cores are idle again
+    gen.generate(PROMPT, raw=True, max_new_tokens=8)
     result = gen.generate(PROMPT, raw=True, max_new_tokens=24, draft_tokens=3)
     assert gen.spinning is True and allow_spinning(gen) == ["1", "1"]
     assert result.token_ids == want
+
+
+class TurnMeter(SteadyMeter):
+    """Another process busy only while the generator waits: the reading that ends a pause
+    (at a generation's start) says one core, the one that ends a generation none."""
+
+    def __init__(self):
+        super().__init__(0.0)
+        self.readings = 0
+
+    def others(self) -> float:
+        self.readings += 1
+        return 1.0 if self.readings % 2 else 0.0
+
+
+def test_a_load_between_generations_does_not_reopen_the_sessions(tiny_bundle):
+    gen = Generator.from_bundle(tiny_bundle, threads=1, spinning="auto")
+    gen.spinning = True
+    gen._use_models(*gen._auto_spinning.open_models(True))
+    sessions = gen.target.session
+    gen._auto_spinning.meter = meter = TurnMeter()
+    for _ in range(3):
+        assert gen.generate(PROMPT, raw=True, max_new_tokens=8).stats["threads_spinning"]
+    assert meter.readings == 6 and gen.target.session is sessions
 
 
 def test_fixed_spinning_never_follows_the_load(tiny_bundle):

@@ -590,3 +590,19 @@ def test_unknown_settings_and_bad_configs_are_type_errors(gen):
         gen.generate("the cat sat", max_tokens=8)
     with pytest.raises(TypeError, match="config must be a GenerationConfig"):
         gen.generate("the cat sat", config={"max_new_tokens": 8})
+
+
+def test_the_draft_model_takes_the_prompt_in_at_its_first_draft_step(gen, monkeypatch):
+    """The first token waits for the target's prompt call only; the draft model runs the
+    prompt and that token in one call when it first drafts, and a generation that never
+    drafts never runs it."""
+    from model_calls import spy_calls
+
+    prompt = gen.encode_prompt("the cat sat on the mat", raw=True)
+    calls = spy_calls(monkeypatch, gen, ("forward",))
+    gen.generate(prompt_ids=prompt, max_new_tokens=6, drafter="model", draft_tokens=2)
+    assert calls[0] == ("target", len(prompt))
+    assert calls[1] == ("draft", len(prompt) + 1)
+    calls.clear()
+    gen.generate(prompt_ids=prompt, max_new_tokens=6, drafter="prompt-lookup", draft_tokens=2)
+    assert calls and all(role == "target" for role, _ in calls)
