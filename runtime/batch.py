@@ -18,8 +18,9 @@ prompt, or a conversation's earlier turns, are computed once. A sequence's threa
 in its model's `forward` until every running sequence waits on a call; the last one to
 arrive runs each model's waiting calls (`_Meeting`): the short ones as one call, a prompt's
 call (one logit kept, more than two tokens) on its own row, so that it does not pad the
-others, one prompt a meeting; on a batched graph a prompt comes in chunks of PREFILL_CHUNK
-tokens, one a meeting, so that the others' steps do not wait for all of it. The threads
+others, one prompt a meeting (the one with the fewest tokens left); on a batched graph a
+prompt comes in chunks of PREFILL_CHUNK tokens, one a meeting, so that the others' steps do
+not wait for all of it. The threads
 only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
@@ -82,6 +83,7 @@ class _Call:
     tokens: list[int]
     keep: int
     alone: bool = False  # a prompt's chunk: on a row of its own, not padding the others
+    left: int = 0  # a prompt's tokens still to run, this call's included
     logits: np.ndarray | None = None
     error: BaseException | None = None
 
@@ -145,9 +147,16 @@ class _Meeting:
         if any(c.model is not self.target for c in calls):
             calls = [c for c in calls if c.model is not self.target]
         # One prompt chunk a model a meeting: the others' steps wait for one chunk, not
-        # for every prompt that arrived at once.
+        # for every prompt that arrived at once. The prompt with the fewest tokens left
+        # goes first (the earliest of equals), so that prompts arriving together get their
+        # first tokens one after another, shortest first, rather than all at the end of
+        # chunks taken in turns.
         first: dict[int, _Call] = {}
-        calls = [c for c in calls if not _prompt(c) or first.setdefault(id(c.model), c) is c]
+        for c in (c for c in calls if _prompt(c)):
+            best = first.get(id(c.model))
+            if best is None or c.left < best.left:
+                first[id(c.model)] = c
+        calls = [c for c in calls if not _prompt(c) or first[id(c.model)] is c]
         running = {id(c) for c in calls}
         self.waiting = [c for c in self.waiting if id(c) not in running]
         for model in {id(c.model): c.model for c in calls}.values():
@@ -249,12 +258,14 @@ class RowBackend:
         chunks = prefill_chunks(len(tokens), logits_to_keep,
                                 self.model.chunked and self.meeting.running > 1)
         for chunk in chunks[:-1]:
-            self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True))
+            self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True,
+                                    left=len(tokens)))
             tokens = tokens[chunk:]
         # A prompt's call (one logit kept, after a slot's kept rows often a few tokens)
         # runs on a row of its own: in the others' call, it would pad them all to its T.
         alone = len(chunks) > 1 or (logits_to_keep == 1 and len(tokens) > 2)
-        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep, alone))
+        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep, alone,
+                                       left=len(tokens)))
 
 
 def prefill_chunks(n: int, logits_to_keep: int, chunked: bool) -> list[int]:

@@ -7,6 +7,7 @@ distribution."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -346,14 +347,13 @@ def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypa
     assert capacities == [GROWTH_STEP], capacities
 
 
-def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
-    """Two prompts' calls and a decoding sequence's step wait together: the meeting runs
-    the step and one prompt, the other prompt with the next step, so that the step waits
-    for one prompt call at a time."""
-    groups = []
+def meeting_of_three(monkeypatch, record):
+    """A meeting of three sequences on a stand-in model whose groups of calls go to
+    `record` (each answered with zero logits) instead of a backend: (the model, a function
+    that runs a sequence's calls in turn and then leaves)."""
 
     def run_group(model, group, cost=None):
-        groups.append(sorted(len(c.tokens) for c in group))
+        record(group)
         for c in group:
             c.logits = np.zeros((c.keep, 4), np.float32)
         return 0
@@ -369,6 +369,15 @@ def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
             meeting.call(call)
         meeting.leave()
 
+    return model, sequence
+
+
+def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
+    """Two prompts' calls and a decoding sequence's step wait together: the meeting runs
+    the step and one prompt, the other prompt with the next step, so that the step waits
+    for one prompt call at a time."""
+    groups = []
+    model, sequence = meeting_of_three(monkeypatch, groups.append)
     threads = [threading.Thread(target=sequence, args=([batch_module._Call(
         model, slot, [1] * 16, 1, alone=True)],)) for slot in (0, 1)]
     threads.append(threading.Thread(target=sequence, args=([batch_module._Call(
@@ -377,7 +386,8 @@ def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
         t.start()
     for t in threads:
         t.join(10)
-    assert sorted(map(tuple, groups)) == [(1,), (1, 16), (1, 16)], groups
+    assert sorted(tuple(sorted(len(c.tokens) for c in g)) for g in groups) == \
+        [(1,), (1, 16), (1, 16)], groups
 
 
 def test_stop_strings_and_eos_end_one_sequence_only(gen):
@@ -472,3 +482,26 @@ def test_an_error_in_one_sequence_reaches_the_caller_and_frees_the_others(gen, m
             batcher.generate(requests)
     results = batcher.generate(requests)
     assert len(results[1].token_ids) == 8 and results[0].stats["drafted_tokens"] > 0
+
+
+def test_the_prompt_with_the_fewest_tokens_left_runs_first(monkeypatch):
+    """A long prompt's chunk and a short prompt wait together with a decoding sequence's
+    step: the short one runs first, whatever the order they arrived in, so that its first
+    token does not wait for the long prompt's chunks."""
+    order = []
+    model, sequence = meeting_of_three(
+        monkeypatch, lambda group: order.extend(c.slot for c in group if c.alone))
+    long = [batch_module._Call(model, 0, [1] * 16, 1, alone=True, left=48 - 16 * i)
+            for i in range(3)]
+    short = [batch_module._Call(model, 1, [1] * 12, 1, alone=True, left=12)]
+    steps = threading.Thread(target=sequence, args=([batch_module._Call(model, 2, [1], 1)
+                                                      for _ in range(4)],))
+    steps.start()
+    first = threading.Thread(target=sequence, args=(long,))
+    first.start()
+    time.sleep(0.2)  # the long prompt's chunk waits first
+    second = threading.Thread(target=sequence, args=(short,))
+    second.start()
+    for t in (steps, first, second):
+        t.join(10)
+    assert order == [1, 0, 0, 0], order
