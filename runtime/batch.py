@@ -20,8 +20,8 @@ arrive runs each model's waiting calls (`_Meeting`): the short ones as one call,
 call (one logit kept, more than two tokens) on its own row, so that it does not pad the
 others, one prompt a meeting (the one with the fewest tokens left); on a batched graph a
 prompt comes in chunks of PREFILL_CHUNK tokens, one a meeting, so that the others' steps do
-not wait for all of it. The threads
-only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the call.
+not wait for all of it. The threads only take turns: Python runs one at a time, ONNX
+Runtime's own thread pool runs the call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
 same T (rows share no reductions; tests/runtime/test_batch.py checks it bit for bit), so

@@ -80,9 +80,9 @@ class PrefixStore:
                 return False  # already held, or a longer sequence that starts with these
             if shared == len(old.tokens):
                 self._drop(old.tokens)
+        if sum(r.nbytes for r in rows if r is not None) > self.budget:
+            return False  # before copying: a store of 0 bytes copies nothing
         entry = Entry(key, [None if r is None else r.copy() for r in rows])
-        if entry.nbytes > self.budget:
-            return False
         while self.nbytes + entry.nbytes > self.budget:
             self._drop(next(iter(self.entries)))
         self.entries[key] = entry
