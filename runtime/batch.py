@@ -390,16 +390,13 @@ class BatchSession:
             model.kept.pop(slot, None)
         chunked = [m.chunked for m in self.models]
         slots = [m.caches.slots[slot] for m in self.models]
-        have = shared_prefix(prompt, kept)
         if not any(chunked):
             return kept
         length = max(c.length for c, on in zip(slots, chunked) if on)
-        if have < length:  # rows the prompt will overwrite
-            self.store.add(kept[:length], [
-                m.caches.planes[:, slot, :, :c.length] if on else None
-                for m, c, on in zip(self.models, slots, chunked)])
-        n, entry = self.store.longest(prompt)
-        if entry is None or n <= have:
+        n, entry = self.store.exchange(kept[:length], [
+            m.caches.planes[:, slot, :, :c.length] if on else None
+            for m, c, on in zip(self.models, slots, chunked)], prompt)
+        if entry is None:
             return kept
         for model, cache, stored in zip(self.models, slots, entry.rows):
             if stored is None or not model.chunked:

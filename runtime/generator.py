@@ -360,15 +360,14 @@ class Generator:
         # system prompt and earlier turns); at least the last token runs, for its logits.
         # Rows the prompt would overwrite go to the prompt store first, and the store's
         # rows that start the prompt, past those the cache holds, are copied in.
-        reuse, stored, entry = 0, 0, None
+        reuse, stored = 0, 0
         if self.target.spec.attention == "batched":
-            if self._cache is not None:
-                held = min(self._cache.length, len(self._cache_tokens))
-                reuse = min(shared_prefix(prompt, self._cache_tokens), len(prompt) - 1, held)
-                if reuse < held:
-                    self.prompt_store.add(self._cache_tokens[:held],
-                                          [self._cache.planes[:, 0, :, :held]])
-            stored, entry = self.prompt_store.longest(prompt)
+            held = 0 if self._cache is None else min(self._cache.length,
+                                                     len(self._cache_tokens))
+            rows = None if self._cache is None else self._cache.planes[:, 0, :, :held]
+            stored, entry = self.prompt_store.exchange(self._cache_tokens[:held], [rows],
+                                                       prompt)
+            reuse = min(shared_prefix(prompt, self._cache_tokens), len(prompt) - 1, held)
             if entry is not None:
                 stored = min(stored, len(prompt) - 1, entry.rows[0].shape[2])
         self._cache_tokens = []  # until this generation ends, its rows are its own

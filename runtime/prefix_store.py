@@ -89,5 +89,18 @@ class PrefixStore:
         self.nbytes += entry.nbytes
         return True
 
+    def exchange(self, held: list[int], rows: list[np.ndarray | None], prompt: list[int]
+                 ) -> tuple[int, Entry | None]:
+        """Before `prompt` runs over rows computed from `held` (`rows` as `add` takes
+        them): store them unless the prompt starts with all of `held`, then return the entry
+        that shares more first tokens with the prompt than `held` does, and how many ((0,
+        None): none does). What a batch slot (batch.py) and one generation after another
+        (generator.py) do with their rows before a new prompt."""
+        have = shared_prefix(prompt, held)
+        if have < len(held):
+            self.add(held, rows)
+        n, entry = self.longest(prompt)
+        return (n, entry) if entry is not None and n > have else (0, None)
+
     def _drop(self, key: tuple[int, ...]) -> None:
         self.nbytes -= self.entries.pop(key).nbytes

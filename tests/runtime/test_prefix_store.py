@@ -61,3 +61,19 @@ def test_past_the_budget_the_least_recently_used_go_first():
     assert not store.add(tokens(MIN_TOKENS - 1, 400), [rows(MIN_TOKENS - 1)])
     with pytest.raises(ValueError, match="budget must be >= 0"):
         PrefixStore(-1)
+
+
+def test_exchange_stores_what_a_prompt_overwrites_and_finds_only_more_than_it_keeps():
+    store = PrefixStore(2**20)
+    a = tokens(30)
+    # The prompt continues all of a: nothing is overwritten, nothing stored.
+    assert store.exchange(a, [rows(30)], a + [500]) == (0, None) and not store.entries
+    # A prompt that parts from a after 5 tokens: a's rows go in; none starts it further.
+    other = tokens(5) + tokens(20, 200)
+    assert store.exchange(a, [rows(30)], other) == (0, None)
+    assert list(store.entries) == [tuple(a)]
+    # Back to a's conversation, over other's rows: a's entry shares 30, other's rows 5.
+    n, entry = store.exchange(other, [rows(25, 2.0)], a + [600])
+    assert (n, entry.tokens) == (30, tuple(a)) and len(store.entries) == 2
+    # The rows held share as much with the prompt as the store's best: no entry.
+    assert store.exchange(a, [rows(30)], a + [700]) == (0, None)
