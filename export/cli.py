@@ -117,6 +117,10 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"largest K the engines verify at once (default {AUTO_MAX_K})")
     p.add_argument("--max-context", type=int, default=None,
                    help="largest KV cache in tokens (default: the bundle's context)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="most sequences one call carries, for `specedge serve --max-batch N` "
+                   "(default 1: one at a time; needs a bundle exported with --attention "
+                   "portable)")
     p.add_argument("--timing-cache", metavar="PATH",
                    help="TensorRT timing cache to reuse and update (default "
                    "BUNDLE/timing.cache)")
@@ -328,7 +332,7 @@ def run_build(args: argparse.Namespace) -> None:
                                  max_prompt=args.max_prompt,
                                  max_draft_tokens=args.max_draft_tokens,
                                  max_context=args.max_context, timing_cache=args.timing_cache,
-                                 force=args.force)
+                                 force=args.force, max_batch=args.max_batch)
     except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
         fail(one_line(e))
     except KeyboardInterrupt:

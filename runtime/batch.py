@@ -41,21 +41,25 @@ import time
 from collections.abc import Callable, Sequence
 from collections.abc import Generator as PieceGenerator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specedge.runtime.backends.ort_cpu import OrtCpuBackend, check_batch_rows
+from specedge.runtime.backends import Backend
+from specedge.runtime.backends.ort_cpu import check_batch_rows
 from specedge.runtime.bundle import KV_LAYOUT_IN_PLACE
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import ModelDrafter
 from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
-from specedge.runtime.kv_cache import GROWTH_STEP, SlotCaches, capacity_for
+from specedge.runtime.kv_cache import MAX_BATCHED_TOKENS, capacity_for
 from specedge.runtime.pieces import Piece
 from specedge.runtime.prefix_store import PrefixStore, shared_prefix
 
-# A call of more tokens than this is a prompt: it runs on its own row, not padding others.
-MAX_BATCHED_TOKENS = 16
+if TYPE_CHECKING:
+    from specedge.runtime.backends.device_slots import DeviceSlotCaches
+    from specedge.runtime.kv_cache import SlotCaches
+
 # While other sequences run, a prompt on a batched graph runs in chunks of this many tokens,
 # one chunk a meeting on a row of its own, so that their steps wait for a chunk, not for
 # the whole prompt. SmolLM2 int4, four sequences, chat prompts of 36-43 tokens: the
@@ -63,10 +67,11 @@ MAX_BATCHED_TOKENS = 16
 # gave a tenth more tokens a second than 16, 8 a tenth fewer (docs/MEASUREMENTS.md,
 # "Batched attention and batched serving").
 PREFILL_CHUNK = 16
-# The slots' capacity is cut once this many rows are unused: a long generation's rows,
-# kept, would slow every later call (kv_cache.py); cut at once, a capacity on the edge
-# would be copied back and forth.
-SHRINK_SLACK = 2 * GROWTH_STEP
+# The slots' capacity is cut once this many of its steps (`caches.step`: GROWTH_STEP rows
+# on the host, CAPACITY_STEP on a device) are unused: a long generation's rows, kept, would
+# slow every later call (kv_cache.py); cut at once, a capacity on the edge would be copied
+# back and forth.
+SHRINK_SLACK = 2
 # Host memory for rows of sequences whose slots went to others (prefix_store.py): ~5,000
 # tokens of SmolLM2-135M and its draft.
 PREFIX_STORE_BYTES = 256 * 2**20
@@ -92,8 +97,8 @@ class _Call:
 class _Model:
     """One model of the session: its backend and the slots of its caches."""
 
-    backend: OrtCpuBackend
-    caches: SlotCaches
+    backend: Backend  # with forward_slots, new_slot_caches and forget_bindings
+    caches: SlotCaches | DeviceSlotCaches
     max_context: int
     # Free slots that keep rows: the tokens of the sequence that left them, of which the
     # slot's rows [0, length) are the first `length` (BatchSession.run).
@@ -200,8 +205,8 @@ def _run_group(model: _Model, group: list[_Call], cost: LinearCost | None = None
     held = max((slot.length for i, slot in enumerate(caches.slots) if i not in model.kept),
                default=0)
     need = max(caches.slots[c.slot].length + len(c.tokens) for c in group)
-    fit = capacity_for(max(held, need), model.max_context, GROWTH_STEP)
-    if fit > caches.capacity or fit + SHRINK_SLACK <= caches.capacity:
+    fit = capacity_for(max(held, need), model.max_context, caches.step)
+    if fit > caches.capacity or fit + SHRINK_SLACK * caches.step <= caches.capacity:
         for i in model.kept:  # a free slot's kept rows do not hold the capacity up
             caches.slots[i].rollback(min(caches.slots[i].length, fit))
         caches.resize(fit)
@@ -301,18 +306,17 @@ class BatchSession:
         for backend in (generator.target, generator.draft):
             if backend is None:
                 continue
-            if not isinstance(backend, OrtCpuBackend):
-                raise ValueError(f"batched decoding runs on backend 'ort-cpu' only, not "
-                                 f"{backend.name!r}")
+            if not hasattr(backend, "forward_slots"):
+                raise ValueError(f"backend {backend.name!r} runs one sequence a call: "
+                                 "batched decoding needs ort-cpu or a device backend")
             check_batch_rows(backend.spec)
             s = backend.spec
             # An in-place graph writes every row of a call, a short row's padding and the
             # rows of a slot in the call's range that has no call too, past the slot's
             # counted rows: spare rows past the capacity take them, even at a full context.
             spare = MAX_BATCHED_TOKENS if s.kv_layout == KV_LAYOUT_IN_PLACE else 0
-            self.models.append(_Model(backend, SlotCaches(
-                s.num_layers, s.num_kv_heads, s.head_dim, min(GROWTH_STEP, s.max_context),
-                max_batch, spare), s.max_context))
+            self.models.append(_Model(backend, backend.new_slot_caches(max_batch, spare),
+                                      s.max_context))
         self.generator, self.max_batch = generator, max_batch
         # Auto K in the session prices a K with the batch's call costs at its current size
         # (drafting/batch_costs.py), apart from single generations' measurements.
@@ -404,7 +408,7 @@ class BatchSession:
                 continue
             k = min(stored.shape[2], n)
             if k > model.caches.capacity:
-                model.caches.resize(capacity_for(k, model.max_context, GROWTH_STEP))
+                model.caches.resize(capacity_for(k, model.max_context, model.caches.step))
                 model.backend.forget_bindings()
             model.caches.planes[:, slot, :, :k] = stored[:, :, :k]
             cache.reclaim(k)

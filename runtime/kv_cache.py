@@ -26,6 +26,10 @@ import numpy as np
 
 CAPACITY_STEP = 256  # a generation's context limit and a device cache's capacity round to this
 GROWTH_STEP = 64  # a host cache that grows (attention over its capacity) rounds to this
+# The most tokens a row of a call on several sequences' slots takes (runtime/batch.py): a
+# call of more is a prompt, run on its own row so that it does not pad the others. A
+# device engine's decode profile takes this many (engine_manifest.py).
+MAX_BATCHED_TOKENS = 16
 
 
 def capacity_for(tokens: int, max_context: int, step: int = CAPACITY_STEP) -> int:
@@ -136,6 +140,8 @@ class SlotCaches:
     sequence that holds it. All slots share one capacity, which `resize` changes between
     calls (a portable or batched graph attends over all of it: the module docstring)."""
 
+    step = GROWTH_STEP  # capacities are multiples of this (capacity_for), or the context
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  slots: int, spare: int = 0):
         self.shape = (num_layers, num_kv_heads, head_dim)
@@ -166,3 +172,22 @@ class SlotCaches:
     def block(self, lo: int, hi: int) -> np.ndarray:
         """The planes of slots [lo, hi): [2 * layers, hi - lo, kv_heads, C + spare, D]."""
         return self.planes[:, lo:hi]
+
+
+def fill_slot_inputs(slots: list[CacheRows], lo: int, rows: dict[int, list[int]],
+                     max_context: int, ids: np.ndarray, positions: np.ndarray,
+                     past_length: np.ndarray) -> None:
+    """The int64 inputs of a call on slots [lo, lo + n) (n = len(ids), T = ids.shape[1]),
+    written into `ids` and `positions` [n, T] and `past_length` [n]: slot s runs rows[s]
+    padded to T with its last token, a slot without a row one padding token, each at its
+    own positions [length, length + T)."""
+    last = max_context - 1
+    for i in range(len(ids)):
+        cache = slots[lo + i]
+        tokens = rows.get(lo + i) or [0]
+        ids[i, :len(tokens)] = tokens
+        ids[i, len(tokens):] = tokens[-1]
+        # Padding past the context's end reuses its last position: what the padding
+        # computes is dropped, and a row's own positions are all inside the context.
+        positions[i] = np.minimum(np.arange(cache.length, cache.length + ids.shape[1]), last)
+        past_length[i] = cache.length

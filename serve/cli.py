@@ -202,13 +202,16 @@ def check_max_batch(settings: ServerSettings, bundle: Bundle) -> None:
     backend (locally, and on every cluster replica)."""
     if settings.max_batch <= 1:
         return
+    from specedge.runtime.backends.engine_manifest import check_max_batch, engine_entry
     from specedge.runtime.backends.ort_cpu import check_batch_rows
 
-    if settings.backend != "ort-cpu":
-        fail(f"--max-batch {settings.max_batch} runs on backend ort-cpu only")
     with bad_input_exits_2():
-        for spec in filter(None, (bundle.target, bundle.draft)):
+        for role, spec in (("target", bundle.target), ("draft", bundle.draft)):
+            if spec is None:
+                continue
             check_batch_rows(spec)
+            if settings.backend == "tensorrt":  # the engines were built for the batch
+                check_max_batch(engine_entry(bundle, role), settings.max_batch)
 
 
 def run_serve_on_ray(args: argparse.Namespace) -> None:

@@ -76,6 +76,29 @@ def test_the_device_loop_check_passes_on_host_memory(tiny_bundle):
     report = backends.check_device_loop(tiny_bundle, HostMemory, HostSampler)
     assert report["status"] == "pass", report
     assert report["identical_to_ort_cpu"] == report["greedy_cases"] == 8
+    assert report["batch"]["status"] == "pass" and report["batch"]["sequences"] == 4
+    accepted, drafted = report["batch"]["accepted_of_drafted"]
+    assert 0 < accepted < drafted
+
+
+def test_the_batch_comparison_catches_a_row_that_lands_in_another_slot(tiny_bundle,
+                                                                       monkeypatch):
+    """compare_batch fails a device path whose calls on several slots write a row's new
+    K/V rows into the wrong slot."""
+    from specedge.runtime import Generator
+    from specedge.runtime.backends.device_slots import DeviceSlotCaches
+
+    write_rows = DeviceSlotCaches.write_rows
+
+    def misplaced(self, slot, length, t, call_row=0, call_tokens=None):
+        write_rows(self, slot, length, t, (call_row + 1) % 2 if call_tokens else call_row,
+                   call_tokens)
+
+    monkeypatch.setattr(DeviceSlotCaches, "write_rows", misplaced)
+    report = comparison.compare_batch(Generator.from_bundle(tiny_bundle),
+                                      Generator.from_bundle(tiny_bundle,
+                                                            backend="host-emulated"))
+    assert report["status"] == "fail" and report["first_divergence"]
 
 
 def test_gpu_check_runs_this_checkout_without_an_install(tmp_path):
@@ -227,8 +250,8 @@ def test_the_tensorrt_part_judges_each_engine_by_its_precision(tiny_bundle, tmp_
     from specedge.runtime import Generator
 
     built = []
-    monkeypatch.setattr(build, "build_engines",
-                        lambda bundle, precision: built.append((Path(bundle).name, precision)))
+    monkeypatch.setattr(build, "build_engines", lambda bundle, precision, max_batch: built.append(
+        (Path(bundle).name, precision, max_batch)))
     from_bundle = Generator.from_bundle
 
     def emulated(bundle, backend="ort-cpu", **kwargs):
@@ -238,8 +261,10 @@ def test_the_tensorrt_part_judges_each_engine_by_its_precision(tiny_bundle, tmp_
     monkeypatch.setattr(Generator, "from_bundle", staticmethod(emulated))
     shutil.copytree(tiny_bundle, tmp_path / "tiny-bundle")  # as --tiny-bundle gives it
     report = backends.check_tensorrt({"tensorrt": "10.3.0"}, tmp_path, None)
-    assert built == [("tiny-trt", "fp32"), ("tiny-fp16-trt", "fp16")]
+    assert built == [("tiny-trt", "fp32", 1), ("tiny-fp16-trt", "fp16", 1),
+                     ("tiny-batch-trt", "fp32", 4)]
     assert report["status"] == "pass", report
+    assert report["tiny-batch"]["status"] == "pass" and report["tiny-batch"]["sequences"] == 4
     assert report["tiny"]["precision"] == "fp32"
     assert report["tiny"]["identical_to_ort_cpu"] == 8
     assert report["tiny-fp16"]["precision"] == "fp16"

@@ -66,15 +66,17 @@ def build_engines(bundle_dir: str | Path, precision: str = "fp16",
                   max_prompt: int | None = None,
                   max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
                   max_context: int | None = None, timing_cache: str | Path | None = None,
-                  force: bool = False) -> dict:
+                  force: bool = False, max_batch: int = 1) -> dict:
     """Build `target.engine` (and `draft.engine`) in the bundle; returns the new manifest.
 
-    `max_prompt` defaults to min(2048, context). Engines already built with the same
+    `max_prompt` defaults to min(2048, context); `max_batch` is the most sequences a call
+    carries (`specedge serve --max-batch`; 1: one at a time). Engines already built with the same
     arguments, from the same graphs, on this GPU and TensorRT version are kept unless
     `force`. The timing cache (default <bundle>/timing.cache) is reused and updated.
     """
     bundle = load_bundle(bundle_dir)
-    plans = plan_builds(bundle, precision, max_prompt, max_draft_tokens, max_context)
+    plans = plan_builds(bundle, precision, max_prompt, max_draft_tokens, max_context,
+                        max_batch)
     cache = Path(timing_cache) if timing_cache is not None else bundle.root / TIMING_CACHE
     if cache.is_dir() or not cache.parent.is_dir():
         raise ValueError(f"--timing-cache {cache}: give a file in an existing folder")

@@ -153,14 +153,22 @@ def check_graph_precision(plan: EnginePlan, tensorrt_version: str) -> None:
 
 def plan_builds(bundle: Bundle, precision: str = "fp16", max_prompt: int | None = None,
                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
-                max_context: int | None = None) -> list[EnginePlan]:
-    """Validate everything that needs no GPU and compute each engine's profiles."""
+                max_context: int | None = None, max_batch: int = 1) -> list[EnginePlan]:
+    """Validate everything that needs no GPU and compute each engine's profiles
+    (`max_batch` > 1: engines that also run calls on several sequences' rows at once,
+    for `specedge serve --max-batch`)."""
     check_precision(precision)
     if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) \
             or max_draft_tokens < 1:
         raise ValueError(f"--max-draft-tokens must be an integer >= 1, "
                          f"got {max_draft_tokens!r}")
     models = [("target", bundle.target)] + ([("draft", bundle.draft)] if bundle.draft else [])
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ValueError(f"--max-batch must be an integer >= 1, got {max_batch!r}")
+    if max_batch > 1 and not all(spec.batch_rows for _, spec in models):
+        raise ValueError("this bundle's graphs take one row a call (bundle format 3 or "
+                         "older): re-export it with `specedge export MODEL --attention "
+                         "portable` to build engines with --max-batch")
     if bundle.target.features:
         raise ValueError("this bundle has a feature draft, which TensorRT engines do not "
                          "run yet: export the bundle with a model draft (--draft-layers N "
@@ -189,7 +197,7 @@ def plan_builds(bundle: Bundle, precision: str = "fp16", max_prompt: int | None 
         # The draft mostly runs one token per step; the target verifies K + 1 at once.
         decode_opt = 1 if role == "draft" else None
         profiles = profile_shapes(spec, max_prompt, max_draft_tokens + 1, capacity,
-                                  decode_opt=decode_opt)
+                                  decode_opt=decode_opt, max_batch=max_batch)
         plans.append(EnginePlan(role=role, onnx=spec.path, onnx_file_size=spec.file_size,
                                 engine=bundle.root / f"{role}.engine", precision=precision,
                                 num_layers=spec.num_layers, capacity=capacity,
@@ -216,9 +224,12 @@ def is_up_to_date(entry: object, plan: EnginePlan, gpu: tuple[str, tuple[int, in
     if not isinstance(entry, dict):
         return False
     path = plan.engine.parent / str(entry.get("file"))
+    # An entry written before profiles recorded their rows was built for one row.
+    profiles = [dict({"rows": [1, 1, 1]}, **p) if isinstance(p, dict) else p
+                for p in entry.get("profiles") or []]
     same = (entry.get("file") == plan.engine.name
             and entry.get("precision") == plan.precision
-            and entry.get("profiles") == profile_summary(plan.profiles)
+            and profiles == profile_summary(plan.profiles)
             and entry.get("capacity") == list(plan.capacity)
             and entry.get("gpu") == {"name": gpu[0], "compute_capability": list(gpu[1])}
             and entry.get("tensorrt_version") == tensorrt_version

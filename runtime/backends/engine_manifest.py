@@ -8,13 +8,18 @@ runtime reads with them, so both sides agree on the format and it is tested with
     file, file_size          the serialized engine beside manifest.json
     precision                fp16 | bf16 | fp32 | fp8 | int8
     profiles                 [{name: "prefill", index: 0, tokens: [min, opt, max],
-                               logits_to_keep: [min, opt, max]}, {name: "decode", index: 1, ...}]
+                               logits_to_keep: [min, opt, max], rows: [min, opt, max]},
+                              {name: "decode", index: 1, ...}]
     capacity                 [min, opt, max] KV-cache rows (C) the engine accepts
     gpu                      {name, compute_capability: [major, minor]}
     tensorrt_version, built_at, onnx_file, onnx_file_size, shape_inputs
 
 Profile 0 ("prefill") serves prompts of 1..max_prompt tokens with one kept logit row; profile 1
 ("decode") serves draft steps and verification, 1..K_max+1 tokens with up to K_max+1 rows.
+`rows` is the batch dimension B of input_ids [B, T] (sequences decoded together,
+runtime/batch.py): 1 for prefill, 1..max_batch for decode, whose tokens then reach
+MAX_BATCHED_TOKENS, the most a row of a batched call takes (an entry without `rows` was
+built for one row).
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from typing import Any
 from specedge.runtime.backends.gpu_info import gpu_identity
 from specedge.runtime.bundle import MANIFEST, Bundle, ModelSpec, graph_io
 from specedge.runtime.errors import BackendUnavailableError, BundleError
-from specedge.runtime.kv_cache import CAPACITY_STEP
+from specedge.runtime.kv_cache import CAPACITY_STEP, MAX_BATCHED_TOKENS
 
 __all__ = ["ENGINE_PRECISIONS", "EngineSpec", "ProfileSpec", "capacity_range",
-           "check_engine_compatible", "engine_entry", "engine_record", "gpu_identity",
+           "check_engine_compatible", "check_max_batch", "engine_entry", "engine_record",
+           "gpu_identity",
            "profile_for", "profile_shapes", "profile_summary", "SUPPORTED_TENSORRT",
            "tensorrt_major"]
 
@@ -86,17 +92,21 @@ def capacity_range(max_context: int) -> Range:
 
 
 def profile_shapes(spec: ModelSpec, max_prompt: int, max_verify: int,
-                   capacity: tuple[int, int, int], decode_opt: int | None = None) -> list[dict]:
+                   capacity: tuple[int, int, int], decode_opt: int | None = None,
+                   max_batch: int = 1) -> list[dict]:
     """The two optimization profiles of one graph: "prefill" and "decode".
 
     Each: {"name", "index", "tokens": (min, opt, max), "logits_to_keep": (min, opt, max),
-    "capacity": (min, opt, max), "shapes": {input: (min_shape, opt_shape, max_shape)} for every
-    graph input, "values": {input: (min, opt, max)}}. "values" are the value ranges of the
-    scalar inputs: TensorRT makes `logits_to_keep` a shape tensor (it feeds a Slice), and a
-    shape-tensor input needs the range of its value rather than of its shape.
+    "rows": (min, opt, max), "capacity": (min, opt, max), "shapes": {input: (min_shape,
+    opt_shape, max_shape)} for every graph input, "values": {input: (min, opt, max)}}.
+    "values" are the value ranges of the scalar inputs: TensorRT makes `logits_to_keep` a
+    shape tensor (it feeds a Slice), and a shape-tensor input needs the range of its value
+    rather than of its shape.
 
     `max_verify` is K_max + 1 (a verification feeds the last token and K drafts);
-    `decode_opt` is the usual decode length (default max_verify; the draft mostly runs 1).
+    `decode_opt` is the usual decode length (default max_verify; the draft mostly runs 1);
+    `max_batch` > 1: the decode profile also takes calls of 1..max_batch rows (batched
+    decoding, tuned for max_batch rows) of up to MAX_BATCHED_TOKENS tokens each.
     """
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"spec must be a ModelSpec (bundle.target or bundle.draft), "
@@ -118,35 +128,47 @@ def profile_shapes(spec: ModelSpec, max_prompt: int, max_verify: int,
     decode_opt = max_verify if decode_opt is None else decode_opt
     if not _is_int(decode_opt) or not 1 <= decode_opt <= max_verify:
         raise ValueError(f"decode_opt must be an integer in 1..{max_verify}, got {decode_opt!r}")
+    if not _is_int(max_batch) or max_batch < 1:
+        raise ValueError(f"max_batch (--max-batch) must be an integer >= 1, got {max_batch!r}")
+    decode_max = max_verify if max_batch == 1 else max(max_verify, MAX_BATCHED_TOKENS)
+    if decode_max > c_max:
+        raise ValueError(f"calls of {decode_max} tokens exceed the KV capacity ({c_max}): "
+                         "pass a larger --max-context")
 
     inputs, _ = graph_io(spec.num_layers)
     heads, dim = spec.num_kv_heads, spec.head_dim
 
-    def profile(index: int, tokens: Range, keep: Range, past_opt: int) -> dict:
+    def profile(index: int, tokens: Range, keep: Range, rows: Range, past_opt: int) -> dict:
         shapes = {}
         for name in inputs:
             if name in ("input_ids", "position_ids"):
-                shapes[name] = tuple((1, t) for t in tokens)
-            elif name in ("past_length", "logits_to_keep"):
+                shapes[name] = tuple((b, t) for b, t in zip(rows, tokens))
+            elif name == "past_length":
+                shapes[name] = tuple((b,) for b in rows)
+            elif name == "logits_to_keep":
                 shapes[name] = ((1,), (1,), (1,))
             else:
-                shapes[name] = tuple((1, heads, c, dim) for c in (c_min, c_opt, c_max))
+                shapes[name] = tuple((b, heads, c, dim)
+                                     for b, c in zip(rows, (c_min, c_opt, c_max)))
         # past_length + T <= capacity; its range only matters if TensorRT makes it a shape
         # tensor (it does not feed a shape in our graphs, but the range is recorded anyway).
         values = {"logits_to_keep": keep, "past_length": (0, past_opt, c_max - 1)}
         return {"name": PROFILE_NAMES[index], "index": index, "tokens": tokens,
-                "logits_to_keep": keep, "capacity": (c_min, c_opt, c_max), "shapes": shapes,
-                "values": values}
+                "logits_to_keep": keep, "rows": rows, "capacity": (c_min, c_opt, c_max),
+                "shapes": shapes, "values": values}
 
-    prefill = profile(0, (1, min(max_prompt, PREFILL_OPT_TOKENS), max_prompt), (1, 1, 1), 0)
-    decode = profile(1, (1, decode_opt, max_verify), (1, decode_opt, max_verify), c_opt // 2)
+    prefill = profile(0, (1, min(max_prompt, PREFILL_OPT_TOKENS), max_prompt), (1, 1, 1),
+                      (1, 1, 1), 0)
+    decode = profile(1, (1, decode_opt, decode_max), (1, decode_opt, decode_max),
+                     (1, max_batch, max_batch), c_opt // 2)
     return [prefill, decode]
 
 
 def profile_summary(profiles: list[dict]) -> list[dict]:
     """The part of `profile_shapes` the manifest keeps (JSON lists)."""
     return [{"name": p["name"], "index": p["index"], "tokens": list(p["tokens"]),
-             "logits_to_keep": list(p["logits_to_keep"])} for p in profiles]
+             "logits_to_keep": list(p["logits_to_keep"]), "rows": list(p["rows"])}
+            for p in profiles]
 
 
 def engine_record(file: str, file_size: int, precision: str, profiles: list[dict],
@@ -170,6 +192,7 @@ class ProfileSpec:
     index: int
     tokens: Range
     logits_to_keep: Range
+    rows: Range = (1, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -224,7 +247,8 @@ def _profiles(root: Path, value: Any, path: str) -> tuple[ProfileSpec, ...]:
                              f"name {name!r} index {index!r}")
         out.append(ProfileSpec(name, index, _range(root, p.get("tokens"), f"{where}.tokens"),
                                _range(root, p.get("logits_to_keep"),
-                                      f"{where}.logits_to_keep")))
+                                      f"{where}.logits_to_keep"),
+                               _range(root, p.get("rows", [1, 1, 1]), f"{where}.rows")))
     return tuple(out)
 
 
@@ -302,12 +326,26 @@ def check_engine_compatible(spec: EngineSpec, gpu_name: str, compute_capability:
         f"`specedge build --bundle {spec.path.parent}`")
 
 
-def profile_for(spec: EngineSpec, tokens: int, capacity: int) -> int:
-    """Index of the optimization profile that serves a call of `tokens` tokens with a KV cache
-    of `capacity` rows: the decode profile when it fits (draft steps, verification), else the
-    prefill profile. ValueError saying how to rebuild when none fits."""
+def check_max_batch(spec: EngineSpec, max_batch: int) -> None:
+    """ValueError saying how to rebuild unless the engine's calls carry `max_batch`
+    sequences at once (its decode profile's rows)."""
+    rows = next(p.rows[2] for p in spec.profiles if p.name == "decode")
+    if max_batch > rows:
+        raise ValueError(f"{spec.path.name} runs calls of {rows} sequence(s) at most, and "
+                         f"{max_batch} at once were asked for: rebuild the engines with "
+                         f"`specedge build --bundle {spec.path.parent} --max-batch "
+                         f"{max_batch} --force`, or serve with --max-batch {rows}")
+
+
+def profile_for(spec: EngineSpec, tokens: int, capacity: int, rows: int = 1) -> int:
+    """Index of the optimization profile that serves a call of `rows` rows of `tokens` tokens
+    with KV caches of `capacity` rows: the decode profile when it fits (draft steps,
+    verification, a batch's calls), else the prefill profile. ValueError saying how to
+    rebuild when none fits."""
     if not _is_int(tokens) or tokens < 1:
         raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+    if not _is_int(rows) or rows < 1:
+        raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
     c_min, _, c_max = spec.capacity
     root = spec.path.parent
     if not _is_int(capacity) or not c_min <= capacity <= c_max:
@@ -317,8 +355,13 @@ def profile_for(spec: EngineSpec, tokens: int, capacity: int) -> int:
     by_name = {p.name: p for p in spec.profiles}
     for name in ("decode", "prefill"):
         p = by_name.get(name)
-        if p is not None and tokens <= p.tokens[2]:
+        if p is not None and tokens <= p.tokens[2] and rows <= p.rows[2]:
             return p.index
+    check_max_batch(spec, rows)
+    if rows > 1:
+        raise ValueError(f"a call of {rows} rows of {tokens} tokens exceeds the engine's "
+                         f"batched calls of {by_name['decode'].tokens[2]} tokens a row: "
+                         "run longer calls one row at a time")
     longest = max(p.tokens[2] for p in spec.profiles)
     raise ValueError(f"a call of {tokens} tokens is longer than the engine's max prompt "
                      f"({longest}): rebuild with `specedge build --bundle {root} --max-prompt "

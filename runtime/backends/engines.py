@@ -166,6 +166,13 @@ class TrtEngine:
                               f"{self._rebuild}")
         return context
 
+    def check_rows(self, rows: int) -> None:
+        """ValueError saying how to rebuild unless calls of `rows` sequences fit the
+        engine (batch.py, through the device backend's slot caches)."""
+        from specedge.runtime.backends.engine_manifest import check_max_batch
+
+        check_max_batch(self.spec, rows)
+
     def execute(self, key: tuple, plan: list[TensorBinding],
                 host_values: dict[str, np.ndarray]) -> None:
         graph = self._graphs.get(key)
@@ -178,9 +185,10 @@ class TrtEngine:
         if context is None:
             from specedge.runtime.backends.engine_manifest import profile_for
 
-            tokens = next(b.shape[1] for b in plan if b.name == "input_ids")
+            rows, tokens = next(b.shape for b in plan if b.name == "input_ids")
             capacity = next(b.shape[2] for b in plan if b.name.startswith("past_key_values"))
-            profile = profile_for(self.spec, tokens, capacity)  # also checks the capacity
+            # Also checks the capacity, and the rows against the engine's --max-batch.
+            profile = profile_for(self.spec, tokens, capacity, rows)
             context = self._contexts[key] = (
                 self.graph_context if key[1:] == self.GRAPH_SHAPE and profile == self._decode
                 else self.contexts[profile])

@@ -16,7 +16,14 @@ from specedge.runtime.bundle import (
     ModelSpec,
 )
 from specedge.runtime.errors import BackendUnavailableError, BundleError
-from specedge.runtime.kv_cache import KVCache, SlotCaches, check_call, check_room
+from specedge.runtime.kv_cache import (
+    GROWTH_STEP,
+    KVCache,
+    SlotCaches,
+    check_call,
+    check_room,
+    fill_slot_inputs,
+)
 
 MAX_KEPT_T = 16
 # The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
@@ -179,6 +186,13 @@ class OrtCpuBackend:
         self._cache, self._bindings = None, {}
         self._slot_caches, self._slot_bindings = None, {}
 
+    def new_slot_caches(self, slots: int, spare: int = 0) -> SlotCaches:
+        """The caches of `slots` sequences decoded together (batch.py), GROWTH_STEP rows
+        each to start with (they grow with the longest)."""
+        s = self.spec
+        return SlotCaches(s.num_layers, s.num_kv_heads, s.head_dim,
+                          min(GROWTH_STEP, s.max_context), slots, spare)
+
     def forward_slots(self, caches: SlotCaches, lo: int, rows: dict[int, list[int]]
                       ) -> dict[int, np.ndarray]:
         """One call on slots [lo, hi) of `caches` (hi past the last slot in `rows`): slot s
@@ -214,17 +228,8 @@ class OrtCpuBackend:
         b = self._slot_bindings.get(key)
         if b is None:
             b = self._slot_bindings[key] = self._bind_slots(caches, lo, n, t)
-        ids, positions = b.ids
-        last = self.spec.max_context - 1
-        for i in range(n):
-            cache = caches.slots[lo + i]
-            tokens = rows.get(lo + i) or [0]
-            ids[i, :len(tokens)] = tokens
-            ids[i, len(tokens):] = tokens[-1]
-            # Padding past the context's end reuses its last position: what the padding
-            # computes is dropped, and a row's own positions are all inside the context.
-            positions[i] = np.minimum(np.arange(cache.length, cache.length + t), last)
-            b.past_length[i] = cache.length
+        fill_slot_inputs(caches.slots, lo, rows, self.spec.max_context, *b.ids,
+                         b.past_length)
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b.io)
         self.run_seconds += time.perf_counter() - t0

@@ -23,9 +23,8 @@ import numpy as np
 
 from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
-from specedge.runtime.batch import MAX_BATCHED_TOKENS
 from specedge.runtime.bundle import load_bundle
-from specedge.runtime.kv_cache import SlotCaches
+from specedge.runtime.kv_cache import MAX_BATCHED_TOKENS, SlotCaches
 
 SHAPES = ["1x2", "2x1", "2x2", "4x1", "4x2", "4x3", "4x4", "8x1", "8x2", "8x3"]
 PAST = 100  # cache rows of every slot before the calls

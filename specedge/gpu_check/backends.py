@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specedge.gpu_check.comparison import compare_generators
+from specedge.gpu_check.comparison import BATCH_CASES, compare_batch, compare_generators
 
 
 def check_device_kv(memory) -> dict:
@@ -132,9 +132,16 @@ def check_device_loop(bundle: Path, memory_class, sampler_class) -> dict:
     the same fp32 graph, so the tokens must be identical."""
     from specedge.runtime import Generator
 
-    return compare_generators(Generator.from_bundle(bundle),
-                              device_generator(bundle, memory_class, sampler_class),
-                              "fp32", sampled_draws=600)
+    ref = Generator.from_bundle(bundle)
+    report = compare_generators(ref, device_generator(bundle, memory_class, sampler_class),
+                                "fp32", sampled_draws=600)
+    # Sequences decoded together: the slots' arena, the row copies of a call on several
+    # slots and the slots' resize, on device memory.
+    report["batch"] = compare_batch(ref, device_generator(bundle, memory_class,
+                                                          sampler_class))
+    if report["batch"]["status"] == "fail":
+        report["status"] = "fail"
+    return report
 
 
 def check_ort_cuda(info: dict, work: Path) -> dict:
@@ -183,14 +190,20 @@ def check_tensorrt(info: dict, work: Path, smollm2: str | None) -> dict:
         targets.append(("smollm2", Path(smollm2), "fp16", Path(smollm2)))
     else:
         report["smollm2"] = {"status": "not run", "reason": "pass --smollm2-bundle DIR"}
+    if any(label == "tiny" for label, *_ in targets):  # engines for four sequences a call
+        shutil.copytree(fp32, work / "tiny-batch-trt", dirs_exist_ok=True)
+        targets.append(("tiny-batch", work / "tiny-batch-trt", "fp32", fp32))
     for label, bundle, precision, reference in targets:
         t0 = time.perf_counter()
+        batch = label == "tiny-batch"
         try:
-            build_engines(bundle, precision=precision)
+            build_engines(bundle, precision=precision,
+                          max_batch=len(BATCH_CASES) if batch else 1)
             entry = {"build_seconds": round(time.perf_counter() - t0, 1)}
-            entry.update(compare_generators(Generator.from_bundle(reference),
-                                            Generator.from_bundle(bundle, backend="tensorrt"),
-                                            precision))
+            ref = Generator.from_bundle(reference)
+            dev = Generator.from_bundle(bundle, backend="tensorrt")
+            entry.update(compare_batch(ref, dev) if batch else
+                         compare_generators(ref, dev, precision))
         except Exception as e:  # one engine's failure must not hide the others' results
             entry = {"status": "fail", "error": f"{type(e).__name__}: {e}",
                      "traceback": traceback.format_exc(limit=8)}

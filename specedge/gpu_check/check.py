@@ -16,12 +16,15 @@ Parts, each "pass", "fail" or "not run" with the reason:
   device_loop       the tiny bundle through the device backend on the GPU (arena, row copies,
                     kernels choosing tokens next to the logits) with ONNX Runtime CPU as
                     the engine, vs 'ort-cpu': fp32, so greedy tokens equal; sampled
-                    distribution by a two-sample test
+                    distribution by a two-sample test; and four sequences decoded together
+                    (the slots' arena on the GPU), each equal to its plain decoding alone
   ort_cuda          the tiny bundle on backend 'ort-cuda' vs 'ort-cpu' (onnxruntime-gpu),
                     judged as fp32: its sessions ask for use_tf32=0
   tensorrt          engines built for the tiny bundle (fp32, and fp16 from its fp16 export)
-                    and SmolLM2 (fp16), greedy generation and logits vs 'ort-cpu' (needs
-                    TensorRT)
+                    and SmolLM2 (fp16), greedy generation and logits vs 'ort-cpu'; fp32
+                    engines built for four sequences a call (--max-batch 4), those
+                    sequences decoded together, each equal to its plain decoding alone
+                    (needs TensorRT)
 (the last four: backends.py; how an engine is judged against 'ort-cpu':
 comparison.py). On a machine without a GPU every part says so and the exit status
 is 0; it is 1 when a part that ran failed.

@@ -188,3 +188,35 @@ def compare_generators(ref, dev, precision: str = "fp32", sampled_draws: int = 0
         if not pvalue > ALPHA:
             report["status"] = "fail"
     return report
+
+
+# Sequences decoded together (`compare_batch`): each prompt with its own greedy settings, so
+# that rows of one call carry different numbers of drafted tokens and end at different steps.
+BATCH_CASES = [("hello world", dict(draft_tokens=3, drafter="model")),
+               ("the cat sat on the mat", dict(draft_tokens=2, drafter="model")),
+               ("a, b, c!", dict(use_draft=False)),
+               ("why?", dict(draft_tokens=4, drafter="lookup+model"))]
+
+
+def compare_batch(ref, dev) -> dict:
+    """Sequences decoded together on `dev` (runtime/batch.py, all of BATCH_CASES at once)
+    against each one's plain decoding alone on ort-cpu (`ref`): an fp32 engine computes a
+    row as ort-cpu does, whatever shares its call, so the greedy tokens must be identical."""
+    from specedge.runtime.batch import BatchGenerator, BatchRequest
+    from specedge.runtime.config import GenerationConfig
+
+    alone = [ref.generate(p, raw=True, max_new_tokens=NEW_TOKENS, use_draft=False).token_ids
+             for p, _ in BATCH_CASES]
+    out = BatchGenerator(dev, len(BATCH_CASES)).generate(
+        [BatchRequest(prompt=p, raw=True,
+                      config=GenerationConfig(max_new_tokens=NEW_TOKENS, **settings))
+         for p, settings in BATCH_CASES])
+    divergences = {p: first_divergence(a, b.token_ids)
+                   for (p, _), a, b in zip(BATCH_CASES, alone, out)}
+    failed = {p: d for p, d in divergences.items() if d is not None}
+    return {"status": "fail" if failed else "pass", "sequences": len(BATCH_CASES),
+            "rule": "fp32: each sequence's greedy tokens identical to its plain decoding "
+                    "alone on ort-cpu",
+            "first_divergence": failed,
+            "accepted_of_drafted": [sum(b.stats["accepted_tokens"] for b in out),
+                                    sum(b.stats["drafted_tokens"] for b in out)]}

@@ -52,7 +52,7 @@ from specedge.runtime.backends.engine_manifest import (
 )
 from specedge.runtime.bundle import MANIFEST, ModelSpec, graph_io, load_bundle
 from specedge.runtime.errors import BackendUnavailableError, BundleError
-from specedge.runtime.kv_cache import CAPACITY_STEP
+from specedge.runtime.kv_cache import CAPACITY_STEP, MAX_BATCHED_TOKENS
 
 TRT_VERSION = "10.3.0"
 
@@ -112,6 +112,30 @@ def test_profile_shapes_cover_every_input():
     assert decode["tokens"] == (1, k + 1, k + 1)
     assert decode["shapes"]["position_ids"] == ((1, 1), (1, k + 1), (1, k + 1))
     assert decode["values"]["logits_to_keep"] == (1, k + 1, k + 1)
+
+
+def test_profile_shapes_for_sequences_decoded_together():
+    """--max-batch 4: the decode profile takes calls of 1..4 rows (tuned for 4) of up to
+    MAX_BATCHED_TOKENS tokens a row, every input's batch dimension with it; prompts stay
+    on one row."""
+    s = spec()
+    prefill, decode = profile_shapes(s, 2048, 9, capacity_range(s.max_context), max_batch=4)
+    assert prefill["rows"] == (1, 1, 1)
+    assert decode["rows"] == (1, 4, 4)
+    assert decode["tokens"] == (1, 9, MAX_BATCHED_TOKENS)
+    assert decode["values"]["logits_to_keep"] == (1, 9, MAX_BATCHED_TOKENS)
+    assert decode["shapes"]["input_ids"] == ((1, 1), (4, 9), (4, MAX_BATCHED_TOKENS))
+    assert decode["shapes"]["past_length"] == ((1,), (4,), (4,))
+    assert decode["shapes"]["logits_to_keep"] == ((1,),) * 3
+    assert decode["shapes"]["past_key_values.2.value"] == ((1, 3, 256, 64), (4, 3, 1024, 64),
+                                                           (4, 3, 8192, 64))
+    assert all(shape[0] == 1 for name, shapes in prefill["shapes"].items()
+               for shape in shapes)
+    # A K_max above MAX_BATCHED_TOKENS keeps its own verification length.
+    _, wide = profile_shapes(s, 2048, 33, capacity_range(s.max_context), max_batch=2)
+    assert wide["tokens"] == (1, 33, 33)
+    with pytest.raises(ValueError, match="--max-batch"):
+        profile_shapes(s, 2048, 9, capacity_range(s.max_context), max_batch=0)
 
 
 def test_profile_shapes_decode_opt_and_short_prompt():
@@ -175,12 +199,21 @@ def test_plan_builds_for_the_tiny_bundle(tiny_bundle):
     (dict(max_context=1024), "--max-context 1024 exceeds the bundle's context of 512"),
     (dict(max_context=0), "--max-context must be an integer >= 1"),
     (dict(max_draft_tokens=0), "--max-draft-tokens must be an integer >= 1"),
+    (dict(max_batch=0), "--max-batch must be an integer >= 1"),
     (dict(precision="int8"), "needs an explicitly quantized graph"),
     (dict(precision="fp8"), "QuantizeLinear/DequantizeLinear"),
 ])
 def test_plan_builds_rejects_bad_arguments(tiny_bundle, kwargs, words):
     with pytest.raises(ValueError, match=words):
         plan_builds(load_bundle(tiny_bundle), **kwargs)
+
+
+def test_engines_for_a_batch_need_graphs_that_take_several_rows(tiny_bundle):
+    b = load_bundle(tiny_bundle)
+    assert plan_builds(b, max_batch=4)[0].profiles[1]["rows"] == (1, 4, 4)
+    one_row = replace(b, target=replace(b.target, batch_rows=False))
+    with pytest.raises(ValueError, match="one row a call.*--attention portable"):
+        plan_builds(one_row, max_batch=4)
 
 
 def test_graph_checks(tmp_path):
@@ -366,10 +399,11 @@ def test_engine_entry_for_a_bundle_without_draft(bundle):
 
 # ---- compatibility and profile choice -------------------------------------------------------
 
-def engine_spec(max_prompt: int = 2048, k: int = 8) -> EngineSpec:
+def engine_spec(max_prompt: int = 2048, k: int = 8, rows: int = 1) -> EngineSpec:
     return EngineSpec(path=Path("/bundles/smollm2/target.engine"),
                       profiles=(ProfileSpec("prefill", 0, (1, 256, max_prompt), (1, 1, 1)),
-                                ProfileSpec("decode", 1, (1, k + 1, k + 1), (1, k + 1, k + 1))),
+                                ProfileSpec("decode", 1, (1, k + 1, k + 1), (1, k + 1, k + 1),
+                                            (1, rows, rows))),
                       capacity=(256, 1024, 8192), precision="fp16", gpu=GPU,
                       tensorrt_version=TRT_VERSION)
 
@@ -412,6 +446,20 @@ def test_profile_for():
         profile_for(s, 4, 16384)
     with pytest.raises(ValueError, match="tokens must be an integer >= 1"):
         profile_for(s, 0, 256)
+
+
+def test_profile_for_calls_of_several_rows():
+    s = engine_spec(max_prompt=2048, k=8, rows=4)
+    assert profile_for(s, 1, 256, rows=4) == 1
+    assert profile_for(s, 9, 1024, rows=2) == 1
+    assert profile_for(s, 30, 1024, rows=1) == 0  # a prompt, on one row
+    with pytest.raises(ValueError, match=r"target.engine runs calls of 4 sequence\(s\) at most, "
+                       r"and 5 at once.*--max-batch 5 --force`, or serve with --max-batch 4"):
+        profile_for(s, 1, 256, rows=5)
+    with pytest.raises(ValueError, match="exceeds the engine's batched calls of 9 tokens a row"):
+        profile_for(s, 10, 256, rows=2)
+    with pytest.raises(ValueError, match="runs calls of 1 sequence"):
+        profile_for(engine_spec(), 1, 256, rows=2)
 
 
 # ---- build orchestration (TensorRT replaced by a fake) --------------------------------------
@@ -482,6 +530,15 @@ def test_is_up_to_date(bundle, fake_trt):
     assert not is_up_to_date(entry, replace(plan, onnx_file_size=1), GPU, TRT_VERSION)
     assert not is_up_to_date(entry, plan_builds(b, max_prompt=128)[0], GPU, TRT_VERSION)
     assert not is_up_to_date(None, plan, GPU, TRT_VERSION)
+    assert not is_up_to_date(entry, plan_builds(b, max_batch=4)[0], GPU, TRT_VERSION)
+    # An entry written before profiles recorded their rows was built for one row.
+    older = dict(entry, profiles=[{k: v for k, v in p.items() if k != "rows"}
+                                  for p in entry["profiles"]])
+    assert is_up_to_date(older, plan, GPU, TRT_VERSION)
+    manifest = dict(b.manifest, engines=dict(b.manifest["engines"], target=older))
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    assert [p.rows for p in engine_entry(load_bundle(bundle), "target").profiles] == \
+        [(1, 1, 1)] * 2
     (bundle / "target.engine").write_bytes(b"x")
     assert not is_up_to_date(entry, plan, GPU, TRT_VERSION)
 
@@ -1194,3 +1251,19 @@ def test_cli_export_tensorrt_builds_what_the_tensorrt_can(capsys, tiny_checkpoin
     assert json.loads(stdout)["engines"] == {"target": "target.engine", "draft": "draft.engine"}
     assert [p.precision for p in fake_trt] == [engines, engines]
     assert (out / "target.engine").read_bytes() == f"target {engines} engine".encode()
+
+
+def test_serving_a_batch_on_engines_built_for_one_sequence_says_how_to_rebuild(bundle, capsys):
+    """`specedge serve --backend tensorrt --max-batch 2` checks the engines' rows before
+    loading anything: exit 2, one line naming the rebuild."""
+    from specedge.serve.app import ServerSettings
+    from specedge.serve.cli import check_max_batch
+
+    fake_engines(bundle)
+    settings = ServerSettings(bundle=str(bundle), backend="tensorrt", max_batch=2)
+    with pytest.raises(SystemExit) as e:
+        check_max_batch(settings, load_bundle(bundle))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"specedge build --bundle {bundle} --max-batch 2 --force`" in err
+    check_max_batch(replace(settings, max_batch=1), load_bundle(bundle))  # nothing to check

@@ -22,7 +22,6 @@ from specedge.runtime import Generator, token_selection
 from specedge.runtime import batch as batch_module
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.batch import (
-    MAX_BATCHED_TOKENS,
     PREFILL_CHUNK,
     BatchGenerator,
     BatchRequest,
@@ -31,7 +30,7 @@ from specedge.runtime.batch import (
 )
 from specedge.runtime.bundle import load_bundle
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.kv_cache import GROWTH_STEP, SlotCaches
+from specedge.runtime.kv_cache import GROWTH_STEP, MAX_BATCHED_TOKENS, SlotCaches
 
 PROMPTS = ["hello world", "the cat sat on the mat and the cat sat on the", "a, b, c!", "why?",
            "one two three one two", "zzz"]

@@ -31,7 +31,9 @@ from specedge.runtime.backends import engine_manifest
 from specedge.runtime.backends import memory as device_memory
 from specedge.runtime.backends.device_sampling import HostSampler
 from specedge.runtime.backends.memory import ALIGNMENT
+from specedge.runtime.batch import BatchGenerator, BatchRequest
 from specedge.runtime.bundle import graph_io
+from specedge.runtime.config import GenerationConfig
 from specedge.runtime.errors import BundleError
 
 GPU = ("NVIDIA Jetson Orin Nano", (8, 7))
@@ -268,6 +270,7 @@ def stand_in_tensorrt(cudart: StandInCudart, space: DeviceSpace, log: list) -> t
                 assert self.state() == state, (
                     "graph replayed on a context whose shapes or addresses changed since capture")
                 engine.run(state[1], state[2], values)
+                engine.rows.append((self.profile, state[1]["input_ids"][0]))
                 t = state[1]["input_ids"][1]
                 self.tokens.append(t)
                 log.append((engine.role, self.profile, t))
@@ -291,6 +294,7 @@ def stand_in_tensorrt(cudart: StandInCudart, space: DeviceSpace, log: list) -> t
             self.names = self.inputs + [o.name for o in self.session.get_outputs()]
             self.num_io_tensors = len(self.names)
             self.refuse: set[tuple[str, str]] = set()  # (method, tensor) to answer False
+            self.rows: list[tuple[int, int]] = []  # (profile, rows) of each run
 
         def get_tensor_name(self, i):
             return self.names[i]
@@ -321,10 +325,11 @@ def stand_in_tensorrt(cudart: StandInCudart, space: DeviceSpace, log: list) -> t
                 io.bind_input(i.name, "cpu", 0, dtype, list(shape), address)
             keep = values.get("logits_to_keep") or ctypes.c_int64.from_address(
                 space.host(addresses["logits_to_keep"], 8)).value
-            t = shapes["input_ids"][1]
+            rows, t = shapes["input_ids"]
             _, heads, _, dim = shapes["past_key_values.0.key"]
             for o in session.get_outputs():
-                shape = [1, keep, o.shape[2]] if o.name == "logits" else [1, heads, t, dim]
+                shape = ([rows, keep, o.shape[2]] if o.name == "logits"
+                         else [rows, heads, t, dim])
                 address = space.host(addresses[o.name], int(np.prod(shape)) * 4)
                 io.bind_output(o.name, "cpu", 0, np.float32, shape, address)
             session.run_with_iobinding(io)
@@ -359,7 +364,7 @@ def trt_self_bundle(tiny_self_draft_bundle, tmp_path, monkeypatch):
     return with_engines(tiny_self_draft_bundle, tmp_path, monkeypatch)
 
 
-def with_engines(source, tmp_path, monkeypatch) -> types.SimpleNamespace:
+def with_engines(source, tmp_path, monkeypatch, max_batch: int = 1) -> types.SimpleNamespace:
     bundle = tmp_path / "bundle"
     shutil.copytree(source, bundle)
     cudart, space, log = StandInCudart(), DeviceSpace(), []
@@ -378,7 +383,7 @@ def with_engines(source, tmp_path, monkeypatch) -> types.SimpleNamespace:
     monkeypatch.setattr(device_memory, "CudaMemory", lambda: StandInMemory(space, cudart))
     monkeypatch.setattr(backends, "_device_sampler", HostSampler)  # kernels: gpu_check.sh
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    trt_build.build_engines(bundle, precision="fp32", max_draft_tokens=4)
+    trt_build.build_engines(bundle, precision="fp32", max_draft_tokens=4, max_batch=max_batch)
     return types.SimpleNamespace(root=bundle, cudart=cudart, space=space, log=log, trt=trt)
 
 
@@ -569,3 +574,42 @@ def test_every_context_binds_every_graph_tensor(trt_self_bundle):
         for context in contexts:
             assert context.tokens, "a context that never ran"
             assert set(context.addresses) == set(inputs + outputs)
+
+
+@pytest.fixture
+def trt_batch_bundle(tiny_portable_bundle, tmp_path, monkeypatch):
+    """`trt_bundle` on the portable tiny bundle with engines built for four sequences a
+    call (`specedge build --max-batch 4`)."""
+    return with_engines(tiny_portable_bundle, tmp_path, monkeypatch, max_batch=4)
+
+
+BATCH = [("hello world", dict(max_new_tokens=10, draft_tokens=2)),
+         (PROMPT, dict(max_new_tokens=14, draft_tokens=3)),
+         ("a, b, c!", dict(max_new_tokens=8, use_draft=False)),
+         ("why?", dict(max_new_tokens=12, draft_tokens=4))]
+
+
+def test_sequences_decoded_together_share_calls_on_the_decode_profile(trt_batch_bundle):
+    """Four sequences on engines built with --max-batch 4: the same tokens as on the
+    host-emulated device (whose greedy tokens equal plain decoding alone,
+    tests/runtime/test_device_batch.py); the target ran calls of several rows on its decode
+    profile, prompts on one row; the manifest records the rows each profile takes."""
+    requests = [BatchRequest(prompt=p, raw=True, config=GenerationConfig(**c))
+                for p, c in BATCH]
+    ref = BatchGenerator(Generator.from_bundle(trt_batch_bundle.root,
+                                               backend="host-emulated"), 4).generate(requests)
+    gen = Generator.from_bundle(trt_batch_bundle.root, backend="tensorrt")
+    out = BatchGenerator(gen, 4).generate(requests)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    runs = gen.target.engine.engine.rows
+    assert max(rows for profile, rows in runs if profile == 1) >= 3
+    assert {rows for profile, rows in runs if profile == 0} == {1}
+    manifest = json.loads((trt_batch_bundle.root / "manifest.json").read_text())
+    assert [p["rows"] for p in manifest["engines"]["target"]["profiles"]] == [[1, 1, 1],
+                                                                              [1, 4, 4]]
+
+
+def test_engines_built_for_one_sequence_refuse_a_batch_saying_how_to_rebuild(trt_bundle):
+    gen = Generator.from_bundle(trt_bundle.root, backend="tensorrt")
+    with pytest.raises(ValueError, match="--max-batch 2 --force`, or serve with --max-batch 1"):
+        BatchGenerator(gen, 2)
