@@ -19,8 +19,8 @@ in its model's `forward` until every running sequence waits on a call; the last 
 arrive runs each model's waiting calls (`_Meeting`): the short ones as one call, a prompt's
 call (one logit kept, more than two tokens) on its own row, so that it does not pad the
 others, one prompt a meeting (the one with the fewest tokens left); on a batched graph a
-prompt comes in chunks of PREFILL_CHUNK tokens, one a meeting, so that the others' steps do
-not wait for all of it. The threads only take turns: Python runs one at a time, ONNX
+prompt comes in chunks of at most PREFILL_CHUNK tokens (a draft's: as many times more as it
+has fewer layers), one a meeting, so that the others' steps do not wait for all of it. The threads only take turns: Python runs one at a time, ONNX
 Runtime's own thread pool runs the call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
@@ -54,7 +54,7 @@ from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, Li
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import MAX_BATCHED_TOKENS, capacity_for
 from specedge.runtime.pieces import Piece
-from specedge.runtime.prefix_store import PrefixStore, shared_prefix
+from specedge.runtime.prefix_store import Entry, PrefixStore, shared_prefix
 
 if TYPE_CHECKING:
     from specedge.runtime.backends.device_slots import DeviceSlotCaches
@@ -103,6 +103,12 @@ class _Model:
     # Free slots that keep rows: the tokens of the sequence that left them, of which the
     # slot's rows [0, length) are the first `length` (BatchSession.run).
     kept: dict[int, list[int]] = field(default_factory=dict)
+    # Tokens of a prompt chunk: PREFILL_CHUNK for the target; for a draft as many more as
+    # the target has layers per draft layer, so that its chunks take about as long as the
+    # target's (a prompt's cost per token goes with the layers): a 2-layer draft of a
+    # 30-layer target takes a chat prompt in one call, not in chunks that each hold the
+    # others' steps back for a meeting (the target's calls wait while a draft call does).
+    chunk_tokens: int = PREFILL_CHUNK
 
     @property
     def chunked(self) -> bool:
@@ -261,7 +267,8 @@ class RowBackend:
         self.called = True
         # A prompt (one logit kept) while others run; alone, one call does it all.
         chunks = prefill_chunks(len(tokens), logits_to_keep,
-                                self.model.chunked and self.meeting.running > 1)
+                                self.model.chunked and self.meeting.running > 1,
+                                self.model.chunk_tokens)
         for chunk in chunks[:-1]:
             self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True,
                                     left=len(tokens)))
@@ -273,21 +280,21 @@ class RowBackend:
                                        left=len(tokens)))
 
 
-def prefill_chunks(n: int, logits_to_keep: int, chunked: bool) -> list[int]:
+def prefill_chunks(n: int, logits_to_keep: int, chunked: bool,
+                   size: int = PREFILL_CHUNK) -> list[int]:
     """The sizes of the calls that run n tokens of which the last keeps its logits (a
-    prompt): PREFILL_CHUNK each, the last one from PREFILL_CHUNK / 2 + 1 to PREFILL_CHUNK +
-    PREFILL_CHUNK / 2 tokens (a batched graph computes a row alike in every call of two
-    tokens or more, and a one-token call would take another path), or [n] when not
-    `chunked`, short, or keeping more logits (a verification)."""
-    if not chunked or n <= PREFILL_CHUNK + PREFILL_CHUNK // 2 or logits_to_keep > 1:
+    prompt): `size` each, the last one from 2 to `size` tokens (a batched graph computes a
+    row alike in every call of two tokens or more, and a one-token call would take another
+    path: n = 17 runs as 15 and 2), so that no meeting waits for more than one chunk; or
+    [n] when not `chunked`, short, or keeping more logits (a verification)."""
+    if not chunked or n <= size or logits_to_keep > 1:
         return [n]
-    sizes = [PREFILL_CHUNK] * (n // PREFILL_CHUNK)
-    rest = n - sum(sizes)
-    if rest > PREFILL_CHUNK // 2:
-        sizes.append(rest)
-    else:
-        sizes[-1] += rest
-    return sizes
+    sizes = [size] * (n // size)
+    rest = n % size
+    if rest == 1:
+        sizes[-1] -= 1
+        rest = 2
+    return sizes + [rest] * (rest > 0)
 
 
 class BatchSession:
@@ -302,7 +309,7 @@ class BatchSession:
         the host memory for rows of earlier sequences (prefix_store.py; 0: none)."""
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        self.models = []
+        self.models: list[_Model] = []
         for backend in (generator.target, generator.draft):
             if backend is None:
                 continue
@@ -315,8 +322,10 @@ class BatchSession:
             # rows of a slot in the call's range that has no call too, past the slot's
             # counted rows: spare rows past the capacity take them, even at a full context.
             spare = MAX_BATCHED_TOKENS if s.kv_layout == KV_LAYOUT_IN_PLACE else 0
+            layers = generator.target.spec.num_layers / s.num_layers
             self.models.append(_Model(backend, backend.new_slot_caches(max_batch, spare),
-                                      s.max_context))
+                                      s.max_context,
+                                      chunk_tokens=PREFILL_CHUNK * max(1, round(layers))))
         self.generator, self.max_batch = generator, max_batch
         # Auto K in the session prices a K with the batch's call costs at its current size
         # (drafting/batch_costs.py), apart from single generations' measurements.
@@ -350,13 +359,22 @@ class BatchSession:
             slot = max(self._free, key=lambda s: (shared_prefix(prompt, target.kept.get(s, [])),
                                                   -target.caches.slots[s].length, -s))
             self._free.remove(slot)
+        try:
+            # Before joining: the others' calls go on while the rows are copied out.
+            with self._filling:
+                kept, n, entry = self._store(slot, prompt)
+        except BaseException:
+            with self._lock:
+                self._free.append(slot)
+                self._free.sort()
+            raise
         self.meeting.join()
         rows: list[RowBackend] = []
-        held: list[int] = []  # the tokens the slot's rows are the start of
+        held: list[int] = kept  # the tokens the slot's rows are the start of
         tokens = None  # the sequence's tokens once it ends: what its slot's rows hold
         try:
             with self._filling:
-                held = self._fill(slot, prompt)
+                held = self._fill(slot, kept, n, entry)
             # At least the prompt's last token runs: its logits choose the first token.
             reuse = min(shared_prefix(prompt, held), len(prompt) - 1)
             rows = [RowBackend(m, slot, self.meeting,
@@ -384,25 +402,34 @@ class BatchSession:
                 self._free.append(slot)
                 self._free.sort()
 
-    def _fill(self, slot: int, prompt: list[int]) -> list[int]:
-        """Make `slot`'s rows hold as much of the start of `prompt` as they or the store
-        have (the store's rows copied in), after storing the rows the prompt will overwrite;
-        returns the tokens that each model's rows [0, length) of the slot are the start of.
-        Runs while no call does (the sequence has joined and waits on none)."""
+    def _store(self, slot: int, prompt: list[int]) -> tuple[list[int], int, Entry | None]:
+        """Store the rows of `slot` that `prompt` will overwrite (prefix_store.py) and find
+        the entry that starts more of it than the slot does: (the tokens the slot's rows
+        are the start of, how many of the entry's apply, the entry or None). Runs before
+        the sequence joins, while the others' calls may run: it only reads the slot's rows
+        [0, length), which no call writes (a call's padding on a free slot goes past them)
+        and a resize keeps (it copies them into new planes, and the copy reads the old)."""
         kept = self.models[0].kept.pop(slot, [])  # every model's rows start the same list
         for model in self.models[1:]:
             model.kept.pop(slot, None)
         chunked = [m.chunked for m in self.models]
-        slots = [m.caches.slots[slot] for m in self.models]
         if not any(chunked):
-            return kept
+            return kept, 0, None
+        slots = [m.caches.slots[slot] for m in self.models]
         length = max(c.length for c, on in zip(slots, chunked) if on)
         n, entry = self.store.exchange(kept[:length], [
             m.caches.planes[:, slot, :, :c.length] if on else None
             for m, c, on in zip(self.models, slots, chunked)], prompt)
+        return kept, n, entry
+
+    def _fill(self, slot: int, kept: list[int], n: int, entry: Entry | None) -> list[int]:
+        """Copy the first n of `entry`'s rows (`_store`) into `slot`; returns the tokens
+        that each model's rows [0, length) of the slot are the start of. Runs while no call
+        does (the sequence has joined and waits on none)."""
         if entry is None:
             return kept
-        for model, cache, stored in zip(self.models, slots, entry.rows):
+        for model, stored in zip(self.models, entry.rows):
+            cache = model.caches.slots[slot]
             if stored is None or not model.chunked:
                 cache.rollback(min(cache.length, shared_prefix(kept, entry.tokens)))
                 continue

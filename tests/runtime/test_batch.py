@@ -189,7 +189,8 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
 
 def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
     """On a batched int4 bundle, a prompt of 100 tokens that arrives while another
-    sequence decodes runs in calls of 16 tokens and a last one of 20 (`prefill_chunks`),
+    sequence decodes runs in calls of 16 tokens and a last one of 4 (`prefill_chunks`; its
+    draft's in calls of 32, the draft having half the target's layers),
     each on a row of its own in a meeting of its own; both sequences' greedy tokens equal their
     plain decoding alone, whose prompt ran in one call, also past the slots' first capacity
     (GROWTH_STEP rows), which the session raises for every slot between two calls. A
@@ -224,10 +225,22 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
         t.join(120)
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     sizes = [n for role, n in calls if role == "target"]
-    assert prefill_chunks(100, 1, chunked=True) == [PREFILL_CHUNK] * 5 + [20]
-    assert Counter(sizes)[PREFILL_CHUNK] == 5 and 20 in sizes and 100 not in sizes
+    assert prefill_chunks(100, 1, chunked=True) == [PREFILL_CHUNK] * 6 + [4]
+    assert Counter(sizes)[PREFILL_CHUNK] == 6 and 4 in sizes and 100 not in sizes
+    # The draft (1 layer of the target's 2) takes its prompt in chunks twice as long.
+    assert [m.chunk_tokens for m in session.models] == [PREFILL_CHUNK, 2 * PREFILL_CHUNK]
+    drafts = [n for role, n in calls if role == "draft"]
+    assert max(drafts) == 2 * PREFILL_CHUNK and PREFILL_CHUNK not in drafts
     assert sizes[0] == len(first_ids)  # nobody else running: one call
     assert prefill_chunks(100, 1, chunked=False) == [100]
+    # No chunk is longer than PREFILL_CHUNK, and none is one token (another kernel path).
+    for n in range(1, 80):
+        sizes = prefill_chunks(n, 1, chunked=True)
+        assert sum(sizes) == n and max(sizes) <= PREFILL_CHUNK
+        assert len(sizes) == 1 or min(sizes) >= 2
+    assert prefill_chunks(17, 1, chunked=True) == [15, 2]
+    assert prefill_chunks(32, 1, chunked=True) == [16, 16]
+    assert prefill_chunks(40, 4, chunked=True) == [40]  # a verification
 
 
 def run_to_end(session: BatchSession, ids: list[int], config: GenerationConfig) -> list[int]:
@@ -311,6 +324,57 @@ def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, mo
     # The prompt's rows in the slot are the rows of its plain decoding alone, bit for bit.
     np.testing.assert_array_equal(session.models[0].caches.planes[:, 0, :, :len(second)],
                                   gen._cache.planes[:, 0, :, :len(second)])
+
+
+def test_a_new_sequence_stores_its_slots_rows_while_the_others_decode(batched_bundles,
+                                                                      monkeypatch):
+    """The rows a new sequence's prompt will overwrite go to the store before it joins the
+    batch: the sequence already running keeps calling the model during the copy (it would
+    wait for the newcomer's first call otherwise). Both outputs stay their plain decoding
+    alone."""
+    from specedge.runtime.prefix_store import PrefixStore
+
+    gen = Generator.from_bundle(batched_bundles["fp32"])
+    session = BatchSession(gen, 2)
+    first = gen.encode_prompt(PROMPTS[1], raw=True)
+    run_to_end(session, first, GenerationConfig(max_new_tokens=12, use_draft=False))
+    calls = spy_calls(monkeypatch, gen, ("forward_slots",))
+    add, seen = PrefixStore.add, []
+
+    def watched_add(self, tokens, rows):
+        before = len(calls)
+        deadline = time.monotonic() + 20
+        while len(calls) == before and time.monotonic() < deadline:
+            time.sleep(0.01)  # the running sequence's calls go on meanwhile
+        seen.append((session.meeting.running, len(calls) - before))
+        return add(self, tokens, rows)
+
+    monkeypatch.setattr(PrefixStore, "add", watched_add)
+    running, started, results = PROMPTS[2] * 3, threading.Event(), {}
+
+    def decode(name: str, prompt: str, n: int, signal: threading.Event | None) -> None:
+        pieces = session.run(gen.encode_prompt(prompt, raw=True),
+                             GenerationConfig(max_new_tokens=n, use_draft=False))
+        try:
+            while True:
+                next(pieces)
+                if signal is not None:
+                    signal.set()
+        except StopIteration as done:
+            results[name] = done.value.token_ids
+
+    a = threading.Thread(target=decode, args=("a", running, 120, started))
+    a.start()
+    assert started.wait(60)
+    b = threading.Thread(target=decode, args=("b", PROMPTS[4], 10, None))
+    b.start()
+    for t in (a, b):
+        t.join(120)
+    assert len(seen) == 1 and seen[0][0] == 1 and seen[0][1] > 0, seen
+    monkeypatch.undo()
+    for name, prompt, n in (("a", running, 120), ("b", PROMPTS[4], 10)):
+        assert results[name] == gen.generate(prompt, raw=True, max_new_tokens=n,
+                                             use_draft=False).token_ids
 
 
 def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypatch):
