@@ -20,8 +20,9 @@ arrive runs each model's waiting calls (`_Meeting`): the short ones as one call,
 call (one logit kept, more than two tokens) on its own row, so that it does not pad the
 others, one prompt a meeting (the one with the fewest tokens left); on a batched graph a
 prompt comes in chunks of at most PREFILL_CHUNK tokens (a draft's: as many times more as it
-has fewer layers), one a meeting, so that the others' steps do not wait for all of it. The threads only take turns: Python runs one at a time, ONNX
-Runtime's own thread pool runs the call.
+has fewer layers), one a meeting, so that the others' steps do not wait for all of it. The
+threads only take turns: Python runs one at a time, ONNX Runtime's own thread pool runs the
+call.
 
 Exact per sequence: a row of a call is computed as in a call of that row alone with the
 same T (rows share no reductions; tests/runtime/test_batch.py checks it bit for bit), so
@@ -54,7 +55,7 @@ from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, Li
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import MAX_BATCHED_TOKENS, capacity_for
 from specedge.runtime.pieces import Piece
-from specedge.runtime.prefix_store import Entry, PrefixStore, shared_prefix
+from specedge.runtime.prefix_store import PrefixStore, shared_prefix
 
 if TYPE_CHECKING:
     from specedge.runtime.backends.device_slots import DeviceSlotCaches
@@ -359,22 +360,13 @@ class BatchSession:
             slot = max(self._free, key=lambda s: (shared_prefix(prompt, target.kept.get(s, [])),
                                                   -target.caches.slots[s].length, -s))
             self._free.remove(slot)
-        try:
-            # Before joining: the others' calls go on while the rows are copied out.
-            with self._filling:
-                kept, n, entry = self._store(slot, prompt)
-        except BaseException:
-            with self._lock:
-                self._free.append(slot)
-                self._free.sort()
-            raise
         self.meeting.join()
         rows: list[RowBackend] = []
-        held: list[int] = kept  # the tokens the slot's rows are the start of
+        held: list[int] = []  # the tokens the slot's rows are the start of
         tokens = None  # the sequence's tokens once it ends: what its slot's rows hold
         try:
             with self._filling:
-                held = self._fill(slot, kept, n, entry)
+                held = self._fill(slot, prompt)
             # At least the prompt's last token runs: its logits choose the first token.
             reuse = min(shared_prefix(prompt, held), len(prompt) - 1)
             rows = [RowBackend(m, slot, self.meeting,
@@ -398,38 +390,58 @@ class BatchSession:
                 cache.rollback(min(cache.length, len(tokens)))
                 model.kept[slot] = tokens
             self.meeting.leave()
+            if tokens is not None:
+                self._store(slot)
             with self._lock:
                 self._free.append(slot)
                 self._free.sort()
 
-    def _store(self, slot: int, prompt: list[int]) -> tuple[list[int], int, Entry | None]:
-        """Store the rows of `slot` that `prompt` will overwrite (prefix_store.py) and find
-        the entry that starts more of it than the slot does: (the tokens the slot's rows
-        are the start of, how many of the entry's apply, the entry or None). Runs before
-        the sequence joins, while the others' calls may run: it only reads the slot's rows
-        [0, length), which no call writes (a call's padding on a free slot goes past them)
-        and a resize keeps (it copies them into new planes, and the copy reads the old)."""
+    def _store(self, slot: int) -> None:
+        """Copy the rows `slot` keeps into the store (prefix_store.py), the sequence that
+        computed them having left and the slot not yet free: the others' calls go on
+        meanwhile (up to 16 ms for a few hundred rows of SmolLM2 and its draft, which every
+        running sequence would wait for if the copy were made once a new prompt has joined
+        and taken the slot). No call
+        writes those rows (a call's padding on a free slot goes past them) and a resize
+        keeps them: the planes are read before the length, and a cut lowers the length
+        before it replaces the planes, so the rows read are rows of the tokens."""
+        chunked = [m.chunked for m in self.models]
+        if not any(chunked) or not self.store.budget:
+            return
+        views = []
+        for model, on in zip(self.models, chunked):
+            planes = model.caches.planes
+            views.append(planes[:, slot, :, :model.caches.slots[slot].length] if on else None)
+        tokens = self.models[0].kept.get(slot, [])[:max(v.shape[2] for v in views
+                                                        if v is not None)]
+        nbytes = sum(v.nbytes for v in views if v is not None)
+        with self._filling:
+            if not self.store.wants(tokens, nbytes):
+                return
+        rows = [None if v is None else v.copy() for v in views]
+        with self._filling:
+            self.store.add(tokens, rows, copy=False)
+
+    def _fill(self, slot: int, prompt: list[int]) -> list[int]:
+        """Make `slot`'s rows hold as much of the start of `prompt` as they or the store
+        have (the store's rows copied in), after storing the rows the prompt will overwrite
+        (already stored when their sequence left, as a rule: `_store`); returns the tokens
+        that each model's rows [0, length) of the slot are the start of. Runs while no call
+        does (the sequence has joined and waits on none)."""
         kept = self.models[0].kept.pop(slot, [])  # every model's rows start the same list
         for model in self.models[1:]:
             model.kept.pop(slot, None)
         chunked = [m.chunked for m in self.models]
-        if not any(chunked):
-            return kept, 0, None
         slots = [m.caches.slots[slot] for m in self.models]
+        if not any(chunked):
+            return kept
         length = max(c.length for c, on in zip(slots, chunked) if on)
         n, entry = self.store.exchange(kept[:length], [
             m.caches.planes[:, slot, :, :c.length] if on else None
             for m, c, on in zip(self.models, slots, chunked)], prompt)
-        return kept, n, entry
-
-    def _fill(self, slot: int, kept: list[int], n: int, entry: Entry | None) -> list[int]:
-        """Copy the first n of `entry`'s rows (`_store`) into `slot`; returns the tokens
-        that each model's rows [0, length) of the slot are the start of. Runs while no call
-        does (the sequence has joined and waits on none)."""
         if entry is None:
             return kept
-        for model, stored in zip(self.models, entry.rows):
-            cache = model.caches.slots[slot]
+        for model, cache, stored in zip(self.models, slots, entry.rows):
             if stored is None or not model.chunked:
                 cache.rollback(min(cache.length, shared_prefix(kept, entry.tokens)))
                 continue

@@ -67,22 +67,26 @@ class PrefixStore:
             self.entries.move_to_end(found.tokens)
         return best, found
 
-    def add(self, tokens: list[int], rows: list[np.ndarray | None]) -> bool:
-        """Store copies of `rows` under `tokens`, unless an entry already holds as much of
-        them or they do not fit; entries that `tokens` continue go. Returns whether it was
-        stored."""
+    def wants(self, tokens: list[int] | tuple[int, ...], nbytes: int) -> bool:
+        """Whether `add` would store `nbytes` of rows under `tokens`: enough tokens, rows
+        that fit the budget, and no entry that already holds as much of them (checked
+        before copying: a store of 0 bytes copies nothing)."""
         key = tuple(tokens)
-        if len(key) < MIN_TOKENS:
+        return (len(key) >= MIN_TOKENS and nbytes <= self.budget
+                and all(shared_prefix(key, old.tokens) < len(key)
+                        for old in self.entries.values()))
+
+    def add(self, tokens: list[int], rows: list[np.ndarray | None], copy: bool = True) -> bool:
+        """Store `rows` under `tokens` (copies of them; the arrays themselves with `copy`
+        false, for a caller that copied them already) if the store `wants` them; entries
+        that `tokens` continue go. Returns whether it was stored."""
+        key = tuple(tokens)
+        if not self.wants(key, sum(r.nbytes for r in rows if r is not None)):
             return False
         for old in list(self.entries.values()):
-            shared = shared_prefix(key, old.tokens)
-            if shared == len(key):
-                return False  # already held, or a longer sequence that starts with these
-            if shared == len(old.tokens):
+            if shared_prefix(key, old.tokens) == len(old.tokens):
                 self._drop(old.tokens)
-        if sum(r.nbytes for r in rows if r is not None) > self.budget:
-            return False  # before copying: a store of 0 bytes copies nothing
-        entry = Entry(key, [None if r is None else r.copy() for r in rows])
+        entry = Entry(key, [r.copy() if copy and r is not None else r for r in rows])
         while self.nbytes + entry.nbytes > self.budget:
             self._drop(next(iter(self.entries)))
         self.entries[key] = entry

@@ -295,8 +295,8 @@ def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
 
 @pytest.mark.parametrize("store", ["store", "no store"])
 def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, monkeypatch):
-    """One slot: a conversation's first turn, then an unrelated prompt (the slot's rows go
-    to the host-memory store as it overwrites them), then the conversation's second turn:
+    """One slot: a conversation's first turn, then an unrelated prompt (each sequence's
+    rows go to the host-memory store as it ends), then the conversation's second turn:
     its target and draft rows are copied back from the store and only the rest of its
     prompt runs, with greedy tokens equal to its plain decoding alone; a session without a
     store (0 bytes) runs it whole."""
@@ -308,7 +308,7 @@ def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, mo
     answer = run_to_end(session, first, replace(config, max_new_tokens=12))
     run_to_end(session, np.random.default_rng(8).integers(3, 34, 40).tolist(),
                replace(config, max_new_tokens=6))
-    assert len(session.store.entries) == (store == "store")
+    assert len(session.store.entries) == (2 if store == "store" else 0)
     second = first + answer + gen.encode_prompt(PROMPTS[3], raw=True)
     calls = spy_calls(monkeypatch, gen)
     got = run_to_end(session, second, config)
@@ -326,28 +326,27 @@ def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, mo
                                   gen._cache.planes[:, 0, :, :len(second)])
 
 
-def test_a_new_sequence_stores_its_slots_rows_while_the_others_decode(batched_bundles,
+def test_a_sequence_that_ends_stores_its_rows_while_the_others_decode(batched_bundles,
                                                                       monkeypatch):
-    """The rows a new sequence's prompt will overwrite go to the store before it joins the
-    batch: the sequence already running keeps calling the model during the copy (it would
-    wait for the newcomer's first call otherwise). Both outputs stay their plain decoding
-    alone."""
+    """A sequence's rows go to the store once it has left the batch, before its slot is
+    free again: the sequence still running keeps calling the model during the copy (it
+    would wait for the copy if it were made while the ended one still counted as running).
+    The stored rows are the slot's, and both outputs stay their plain decoding alone."""
     from specedge.runtime.prefix_store import PrefixStore
 
     gen = Generator.from_bundle(batched_bundles["fp32"])
     session = BatchSession(gen, 2)
-    first = gen.encode_prompt(PROMPTS[1], raw=True)
-    run_to_end(session, first, GenerationConfig(max_new_tokens=12, use_draft=False))
     calls = spy_calls(monkeypatch, gen, ("forward_slots",))
     add, seen = PrefixStore.add, []
 
-    def watched_add(self, tokens, rows):
+    def watched_add(self, tokens, rows, copy=True):
         before = len(calls)
         deadline = time.monotonic() + 20
-        while len(calls) == before and time.monotonic() < deadline:
+        while session.meeting.running and len(calls) == before and \
+                time.monotonic() < deadline:
             time.sleep(0.01)  # the running sequence's calls go on meanwhile
-        seen.append((session.meeting.running, len(calls) - before))
-        return add(self, tokens, rows)
+        seen.append((session.meeting.running, len(calls) - before, len(session._free)))
+        return add(self, tokens, rows, copy)
 
     monkeypatch.setattr(PrefixStore, "add", watched_add)
     running, started, results = PROMPTS[2] * 3, threading.Event(), {}
@@ -366,13 +365,19 @@ def test_a_new_sequence_stores_its_slots_rows_while_the_others_decode(batched_bu
     a = threading.Thread(target=decode, args=("a", running, 120, started))
     a.start()
     assert started.wait(60)
-    b = threading.Thread(target=decode, args=("b", PROMPTS[4], 10, None))
+    b = threading.Thread(target=decode, args=("b", PROMPTS[1], 10, None))
     b.start()
-    for t in (a, b):
-        t.join(120)
-    assert len(seen) == 1 and seen[0][0] == 1 and seen[0][1] > 0, seen
+    b.join(120)
+    # B left (one running), A called meanwhile, B's slot not yet free (none of 2 is).
+    assert seen and seen[0][0] == 1 and seen[0][1] > 0 and seen[0][2] == 0, seen
+    a.join(120)
     monkeypatch.undo()
-    for name, prompt, n in (("a", running, 120), ("b", PROMPTS[4], 10)):
+    b_ids = gen.encode_prompt(PROMPTS[1], raw=True)
+    entry = session.store.entries[tuple(b_ids + results["b"][:-1])]
+    slot = next(s for s, kept in session.models[0].kept.items() if kept[:len(b_ids)] == b_ids)
+    n = entry.rows[0].shape[2]
+    np.testing.assert_array_equal(entry.rows[0], session.models[0].caches.planes[:, slot, :, :n])
+    for name, prompt, n in (("a", running, 120), ("b", PROMPTS[1], 10)):
         assert results[name] == gen.generate(prompt, raw=True, max_new_tokens=n,
                                              use_draft=False).token_ids
 

@@ -49,6 +49,20 @@ def test_a_sequence_and_its_continuation_keep_one_entry():
     assert store.nbytes == rows(30).nbytes
 
 
+def test_wants_says_what_add_would_store_and_add_takes_copies_as_they_are():
+    """A caller that copies outside a lock (batch.py) asks first, then hands its copies."""
+    store = PrefixStore(2**20)
+    assert store.wants(tokens(20), rows(20).nbytes)
+    assert not store.wants(tokens(MIN_TOKENS - 1), 1)
+    assert not store.wants(tokens(20), 2**20 + 1)
+    copied = rows(20)
+    assert store.add(tokens(20), [copied, None], copy=False)
+    assert store.entries[tuple(tokens(20))].rows[0] is copied
+    assert not store.wants(tokens(20), copied.nbytes) and not store.wants(tokens(18), 1)
+    assert store.wants(tokens(30), rows(30).nbytes)  # a continuation: it would replace it
+    assert not PrefixStore(0).wants(tokens(20), 1)
+
+
 def test_past_the_budget_the_least_recently_used_go_first():
     one = rows(20).nbytes
     store = PrefixStore(2 * one)
