@@ -73,8 +73,8 @@ PREFILL_CHUNK = 16
 # slow every later call (kv_cache.py); cut at once, a capacity on the edge would be copied
 # back and forth.
 SHRINK_SLACK = 2
-# Host memory for rows of sequences whose slots went to others (prefix_store.py): ~5,000
-# tokens of SmolLM2-135M and its draft.
+# Host memory for the rows of sequences that ended (prefix_store.py): ~5,000 tokens of
+# SmolLM2-135M and its draft.
 PREFIX_STORE_BYTES = 256 * 2**20
 
 
@@ -401,10 +401,10 @@ class BatchSession:
         computed them having left and the slot not yet free: the others' calls go on
         meanwhile (up to 16 ms for a few hundred rows of SmolLM2 and its draft, which every
         running sequence would wait for if the copy were made once a new prompt has joined
-        and taken the slot). No call
-        writes those rows (a call's padding on a free slot goes past them) and a resize
-        keeps them: the planes are read before the length, and a cut lowers the length
-        before it replaces the planes, so the rows read are rows of the tokens."""
+        and taken the slot). No call writes those rows (a call's padding on a free slot
+        goes past them) and a resize keeps them: the planes are read before the length,
+        and a cut lowers the length before it replaces the planes, so the rows read are
+        rows of the tokens."""
         chunked = [m.chunked for m in self.models]
         if not any(chunked) or not self.store.budget:
             return

@@ -1,10 +1,11 @@
 """Rows of earlier sequences kept in host memory, so that a later prompt that starts the same
 way copies them instead of computing them (batch.py).
 
-A batch slot keeps the rows of the sequence that last ran in it; when a new sequence takes
-the slot and its prompt parts from them, those rows are about to be overwritten, and the
-session first stores them here: per model the K/V rows [0, n) of the slot, [2 * layers,
-kv_heads, n, head_dim], under the n tokens they were computed from. A prompt that starts
+A batch slot keeps the rows of the sequence that last ran in it, and a new sequence's
+prompt that parts from them overwrites them; so the session stores them here as their
+sequence ends (one generation after another: before a new prompt overwrites them): per
+model the K/V rows [0, n) of the slot, [2 * layers, kv_heads, n, head_dim], under the n
+tokens they were computed from. A prompt that starts
 with an entry's tokens gets the rows copied into its slot (a few milliseconds for a
 hundred tokens of SmolLM2, 46 KB a token, against ~1.8 ms a token to compute them on two
 cores) and computes only the rest. What llama.cpp's server does with `--cache-ram`.

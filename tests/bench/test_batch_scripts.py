@@ -46,19 +46,35 @@ def test_bench_batch_calls_times_each_shape(tiny_batched_bundle, tmp_path, capsy
 
 
 def test_bench_batch_session_takes_each_setting_in_turn(tiny_batched_bundle, tmp_path, capsys):
+    from specedge.runtime.kv_cache import SlotCaches
+
     out = tmp_path / "session.json"
-    before = batch.PREFILL_CHUNK, batch.GROWTH_STEP, batch.SHRINK_SLACK
+    before = batch.PREFILL_CHUNK, SlotCaches.step
     report = bench_batch_session.main(["--bundle", str(tiny_batched_bundle), "--concurrency",
                                        "2", "--chunks", "8", "16", "--growth-steps", "32",
                                        "--prompts", "3", "--tokens", "6", "--rounds", "2",
-                                       "--threads", "1", "--out", str(out)])
+                                       "--threads", "1", "--distinct", "--out", str(out)])
     assert json.loads(out.read_text()) == report
-    assert [(a["chunk"], a["growth_step"]) for a in report["arms"]] == [(8, 32), (16, 32)]
+    assert [(a["batch"], a["chunk"], a["growth_step"]) for a in report["arms"]] == \
+        [("work", 8, 32), ("work", 16, 32)]
     assert report["arms"][0]["ratio"] == 1.0
     assert all(len(a["tokens_per_second"]) == 2 and a["itl_p99_ms"] >= a["itl_p50_ms"] > 0
-               for a in report["arms"])
-    assert (batch.PREFILL_CHUNK, batch.GROWTH_STEP, batch.SHRINK_SLACK) == before
-    assert "| 16 | 32 |" in capsys.readouterr().out
+               and a["ttft_p50_ms"] > 0 for a in report["arms"])
+    assert (batch.PREFILL_CHUNK, SlotCaches.step) == before
+    assert "| work | 16 | 32 |" in capsys.readouterr().out
+
+
+def test_bench_batch_session_runs_the_batch_module_of_a_revision_beside_this_one(
+        tiny_batched_bundle, tmp_path):
+    """--base HEAD: the committed runtime/batch.py, loaded as a module of its own, is the
+    first arm; both serve every round (a warm-up round first)."""
+    report = bench_batch_session.main(["--bundle", str(tiny_batched_bundle), "--concurrency",
+                                       "2", "--base", "HEAD", "--prompts", "2", "--tokens",
+                                       "4", "--rounds", "2", "--threads", "1", "--out",
+                                       str(tmp_path / "ab.json")])
+    assert [a["batch"] for a in report["arms"]] == ["HEAD", "work"]
+    assert all(len(a["tokens_per_second"]) == 2 for a in report["arms"])
+    assert report["arms"][1]["ratios"]["tokens_per_second"]["ci95"] is not None
 
 
 def test_serve_overhead_counts_the_same_tokens_in_process_and_through_the_server(
