@@ -32,6 +32,10 @@ args="$args -DGGML_AVX512_VBMI=$(all_on avx512f avx512cd avx512vl avx512dq avx51
 args="$args -DGGML_AVX512_VNNI=$(all_on avx512f avx512cd avx512vl avx512dq avx512bw avx512_vnni)"
 args="$args -DGGML_AVX512_BF16=$(all_on avx512f avx512cd avx512vl avx512dq avx512bw avx512_bf16)"
 args="$args -DGGML_AVX_VNNI=$(all_on avx2 avx_vnni)"
+# AMX stays off where the CPU has it too: the AMX kernels of the llama.cpp that
+# llama-cpp-python 0.3.36 vendors stop on an illegal instruction at the first Q4_1 matrix
+# product (a tile instruction after a tile configuration the compiler dropped; llama.cpp
+# pull request 26954), so no build with them runs.
 if [[ "${1:-}" == "--dry-run" ]]; then
     echo "CMAKE_ARGS=$args"
     exit 0
