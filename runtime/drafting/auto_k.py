@@ -72,16 +72,26 @@ SMOOTHING = 0.2        # weight of a new observation in the running cost estimat
 PROBE_EVERY = 64
 
 
-def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[float],
-           k_max: int, others: int = 0) -> int:
-    """The K in [0, k_max] with the highest rate(K) (smallest K on ties). betas[i - 1] is
-    beta_i for i = 1 .. k_max; verify_cost[T] is v(T) for T = 1 .. k_max + 1 (index 0
-    unused), in the unit of `draft_cost`. `others`: rows that share the calls and take one
-    token from each (a batch, drafting/batch_costs.py): rate(K) = (others + E(K)) / cost."""
+def rates(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[float],
+          k_max: int, others: int = 0) -> list[float]:
+    """rate(K) for K = 0 .. k_max. betas[i - 1] is beta_i for i = 1 .. k_max;
+    verify_cost[T] is v(T) for T = 1 .. k_max + 1 (index 0 unused), in the unit of
+    `draft_cost`. `others`: rows that share the calls and take one token from each (a
+    batch, drafting/batch_costs.py): rate(K) = (others + E(K)) / cost."""
     prefix = accumulate(betas[:k_max], lambda product, beta: product * beta)
     expected = list(accumulate(prefix, initial=1.0))
-    return max(range(k_max + 1), key=lambda k: (
-        (others + expected[k]) / (k * draft_cost + verify_cost[k + 1]), -k))
+    return [(others + expected[k]) / (k * draft_cost + verify_cost[k + 1])
+            for k in range(k_max + 1)]
+
+
+def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[float],
+           k_max: int, others: int = 0) -> int:
+    """The K in [0, k_max] with the highest rate(K) (`rates`; smallest K on ties)."""
+    return _highest(rates(betas, draft_cost, verify_cost, k_max, others))
+
+
+def _highest(rate: list[float]) -> int:
+    return max(range(len(rate)), key=lambda k: (rate[k], -k))
 
 
 def _smooth(old: float | None, new: float) -> float:
@@ -174,12 +184,23 @@ class StepHistory:
 
 def auto_k(history: StepHistory, k_max: int = AUTO_MAX_K) -> int:
     """best_k for the acceptance and costs in `history`, with a probe of K + 1 or K - 1 on
-    every PROBE_EVERY / 2-th step."""
+    every PROBE_EVERY / 2-th step. In a batch (`others` > 0) K + 1 is probed only where it
+    would pay were every draft accepted: a probe there pads every row of the call and has
+    the draft take in the whole context in a call the others wait for, and at four rows of
+    SmolLM2 int4 (a 2-token call 1.36x a 1-token one) no acceptance makes K = 1 pay: its
+    probes cost the batch 6% of its tokens a second and raised its inter-token p99 from 22
+    to 34 ms (docs/MEASUREMENTS.md, "What probing costs a batch"). Alone, a probe costs one
+    sequence one step and also re-measures the v(T) and d it is priced with, which one
+    slow call can inflate, so it stays."""
     verify = history.verify_costs(k_max + 1)
-    k = best_k(history.betas(k_max), history.draft_cost(verify[1]), verify, k_max,
-               history.others())
+    draft, others = history.draft_cost(verify[1]), history.others()
+    rate = rates(history.betas(k_max), draft, verify, k_max, others)
+    k = _highest(rate)
     if history.steps % PROBE_EVERY == PROBE_EVERY // 2:
-        return min(k + 1, k_max)
+        up = min(k + 1, k_max)
+        if others and (others + up + 1) / (up * draft + verify[up + 1]) <= rate[k]:
+            return k
+        return up
     if history.steps and history.steps % PROBE_EVERY == 0:
         return max(k - 1, 0)
     return k

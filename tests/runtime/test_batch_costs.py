@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specedge.runtime.drafting.auto_k import StepHistory, best_k
+from specedge.runtime.drafting.auto_k import PROBE_EVERY, StepHistory, auto_k, best_k
 from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
 
 # Target calls of SmolLM2 int4 on 2 cores (rows, tokens a row, ms), as measured for
@@ -94,3 +94,31 @@ def test_a_sequence_uses_the_batch_costs_once_fitted_and_its_own_before():
     lookup = BatchHistories(costs, lambda: rows[0]).of("lookup", True)
     lookup.observe(2, 2, 0.050, 0.0, 0)  # no model draft step
     assert lookup.draft_cost(1.0) == StepHistory().draft_cost(1.0)
+
+
+@pytest.mark.parametrize("rows, probed", [(1, 1), (2, 1), (4, 0), (8, 0)])
+def test_a_batch_probes_a_k_only_where_every_draft_accepted_would_pay(rows, probed):
+    """The measured costs and a draft rejected at once, so auto decodes at K = 0: alone and
+    at two rows the probe drafts K = 1 (were its drafts accepted, it would pay); at four and
+    eight rows a 2-token call costs more than the token it could add to the batch's, so
+    the probe step stays at K = 0. The probe of K - 1 is kept."""
+    costs, size = measured(), [rows]
+    history = BatchHistories(costs, lambda: size[0]).of("model", True)
+    for _ in range(200):
+        history.observe(1, 0, 0.02, 0.002, 1)
+    history.steps = 1
+    assert auto_k(history) == 0
+    history.steps = PROBE_EVERY // 2
+    assert auto_k(history) == probed
+    history.steps = PROBE_EVERY
+    assert auto_k(history) == 0
+
+
+def test_alone_a_probe_is_kept_even_where_no_acceptance_would_pay():
+    """One sequence: the probe also re-measures the costs it is priced with (a slow call
+    can inflate v(2)), so it drafts K + 1 whatever they say."""
+    history = StepHistory()
+    history.verify = {1: 0.010, 2: 0.030}
+    history.draft = 0.002
+    history.steps = PROBE_EVERY // 2
+    assert auto_k(history) == 1
