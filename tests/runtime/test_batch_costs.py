@@ -101,7 +101,7 @@ def test_a_batch_probes_a_k_only_where_every_draft_accepted_would_pay(rows, prob
     """The measured costs and a draft rejected at once, so auto decodes at K = 0: alone and
     at two rows the probe drafts K = 1 (were its drafts accepted, it would pay); at four and
     eight rows a 2-token call costs more than the token it could add to the batch's, so
-    the probe step stays at K = 0. The probe of K - 1 is kept."""
+    the probe step stays at K = 0 (as does the step that probes K - 1, floored at 0)."""
     costs, size = measured(), [rows]
     history = BatchHistories(costs, lambda: size[0]).of("model", True)
     for _ in range(200):
