@@ -44,10 +44,13 @@ from specedge.runtime.bundle import load_bundle  # noqa: E402
 THREADS = 2
 # bundle folder -> (prompts, new tokens). The tiny bundles come from tests/tiny_bundles.py,
 # "smollm2-feature-int4" is the recommended SmolLM2 bundle (int4 with the feature draft).
+# One prompt for each SmolLM2 bundle, a different one each: a SmolLM2 step takes ~0.4 s
+# under emulation on a fast host and 3-4x that on a slow one, where two prompts each made
+# the decodes alone half an hour.
 CASES: dict[str, tuple[tuple[str, ...], int]] = {
-    "smollm2-feature-int4": (("Why is the sky blue?", "Write a haiku about the sea."), 24),
+    "smollm2-feature-int4": (("Why is the sky blue?",), 24),
     # SmolLM2 int4 with the 2-layer draft on batched attention.
-    "smollm2-batched-int4": (("Why is the sky blue?", "Write a haiku about the sea."), 24),
+    "smollm2-batched-int4": (("Write a haiku about the sea.",), 24),
     "tiny": (("abc abc abc", "hello world", "the cat sat"), 32),
     "tiny-portable": (("abc abc abc", "hello world"), 32),
     "tiny-batched": (("abc abc abc", "hello world"), 32),
