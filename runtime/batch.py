@@ -63,11 +63,13 @@ if TYPE_CHECKING:
 
 # While other sequences run, a prompt on a batched graph runs in chunks of this many tokens,
 # one chunk a meeting on a row of its own, so that their steps wait for a chunk, not for
-# the whole prompt. SmolLM2 int4, four sequences, chat prompts of 36-43 tokens: the
-# inter-token p99 was 50-63 ms with chunks of 16, 76-99 with 32 and 47-57 with 8; 32
-# gave a tenth more tokens a second than 16, 8 a tenth fewer (docs/MEASUREMENTS.md,
-# "Batched attention and batched serving").
-PREFILL_CHUNK = 16
+# the whole prompt: a running sequence's gap between two tokens is then about one chunk
+# plus one step of the batch. SmolLM2 int4, 2 cores, four sequences on chat prompts of 45
+# to 145 tokens (docs/MEASUREMENTS.md, "Prompt chunks of 8 tokens"): against chunks of
+# 16, chunks of 8 gave an inter-token p99 of 0.80x (63 -> 51 ms in process; through HTTP
+# 67 -> 54 ms, within 2x of one request's alone) for 0.93x the tokens a second and 1.17x
+# the time to a first token; chunks of 12 gave 0.90x, 0.99x and 0.99x.
+PREFILL_CHUNK = 8
 # The slots' capacity is cut once this many of its steps (`caches.step`: GROWTH_STEP rows
 # on the host, CAPACITY_STEP on a device) are unused: a long generation's rows, kept, would
 # slow every later call (kv_cache.py); cut at once, a capacity on the edge would be copied
@@ -286,8 +288,8 @@ def prefill_chunks(n: int, logits_to_keep: int, chunked: bool,
     """The sizes of the calls that run n tokens of which the last keeps its logits (a
     prompt): `size` each, the last one from 2 to `size` tokens (a batched graph computes a
     row alike in every call of two tokens or more, and a one-token call would take another
-    path: n = 17 runs as 15 and 2), so that no meeting waits for more than one chunk; or
-    [n] when not `chunked`, short, or keeping more logits (a verification)."""
+    path: with size 8, n = 17 runs as 8, 7 and 2), so that no meeting waits for more than
+    one chunk; or [n] when not `chunked`, short, or keeping more logits (a verification)."""
     if not chunked or n <= size or logits_to_keep > 1:
         return [n]
     sizes = [size] * (n // size)

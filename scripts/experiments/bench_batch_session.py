@@ -34,11 +34,13 @@ from types import ModuleType
 import numpy as np
 
 from specedge.bench.intervals import ratio_ci
-from specedge.prompts import load_prompts
 from specedge.runtime import Generator, batch
 from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.kv_cache import SlotCaches
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import select_prompts  # noqa: E402
 
 
 def batch_module_at(rev: str) -> ModuleType:
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--growth-steps", type=int, nargs="+", default=[SlotCaches.step])
     ap.add_argument("--base", metavar="REV", help="also run runtime/batch.py of this git "
                     "revision (the first arm)")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8,
+                    help="prompts of the shipped set, spread over it as bench_serve.py "
+                    "takes them (chat questions, passages to summarise, code)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--distinct", action="store_true",
@@ -119,16 +123,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("bench_results/batch_session.json"))
     args = ap.parse_args(argv)
     gen = Generator.from_bundle(args.bundle, threads=args.threads)
-    prompts = [p["prompt"] for p in load_prompts(args.prompts)]
+    prompts = [p["prompt"] for p in select_prompts(args.prompts)]
     config = GenerationConfig(max_new_tokens=args.tokens, use_draft=not args.plain,
                               draft_tokens="auto")
     modules = {"work": batch} | ({args.base: batch_module_at(args.base)} if args.base else {})
     arms = [(name, chunk, step) for name in reversed(modules)
             for chunk, step in itertools.product(args.chunks, args.growth_steps)]
-    sessions = {arm: modules[arm[0]].BatchSession(gen, args.concurrency) for arm in arms}
     runs: dict[tuple, list[dict]] = {arm: [] for arm in arms}
     defaults = {name: m.PREFILL_CHUNK for name, m in modules.items()}, SlotCaches.step
     try:
+        # A session takes its models' chunk sizes from PREFILL_CHUNK when it is made.
+        sessions = {}
+        for arm in arms:
+            modules[arm[0]].PREFILL_CHUNK = arm[1]
+            sessions[arm] = modules[arm[0]].BatchSession(gen, args.concurrency)
         # A warm-up round for each arm, then the rounds, the arms in turns.
         for r in range(-1, args.rounds):
             for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
@@ -163,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
         rates = [run["tokens"] / run["seconds"] for run in runs[arm]]
         ttft = 1e3 * statistics.median(f for run in runs[arm] for f in run["firsts"])
         report["arms"].append({"batch": arm[0], "chunk": arm[1], "growth_step": arm[2],
+                               "target_chunk": getattr(sessions[arm].models[0],
+                                                       "chunk_tokens", arm[1]),
                                "tokens_per_second": rates, "ratio": intervals[0]["median"],
                                "ratios": dict(zip(("tokens_per_second", "itl_p99",
                                                    "ttft_p50"), intervals)),

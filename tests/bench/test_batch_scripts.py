@@ -57,6 +57,7 @@ def test_bench_batch_session_takes_each_setting_in_turn(tiny_batched_bundle, tmp
     assert json.loads(out.read_text()) == report
     assert [(a["batch"], a["chunk"], a["growth_step"]) for a in report["arms"]] == \
         [("work", 8, 32), ("work", 16, 32)]
+    assert [a["target_chunk"] for a in report["arms"]] == [8, 16]  # each session's own
     assert report["arms"][0]["ratio"] == 1.0
     assert all(len(a["tokens_per_second"]) == 2 and a["itl_p99_ms"] >= a["itl_p50_ms"] > 0
                and a["ttft_p50_ms"] > 0 for a in report["arms"])

@@ -189,8 +189,9 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
 
 def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
     """On a batched int4 bundle, a prompt of 100 tokens that arrives while another
-    sequence decodes runs in calls of 16 tokens and a last one of 4 (`prefill_chunks`; its
-    draft's in calls of 32, the draft having half the target's layers),
+    sequence decodes runs in calls of PREFILL_CHUNK tokens and a last one of 4
+    (`prefill_chunks`; its draft's in calls twice as long, the draft having half the
+    target's layers),
     each on a row of its own in a meeting of its own; both sequences' greedy tokens equal their
     plain decoding alone, whose prompt ran in one call, also past the slots' first capacity
     (GROWTH_STEP rows), which the session raises for every slot between two calls. A
@@ -225,8 +226,9 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
         t.join(120)
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     sizes = [n for role, n in calls if role == "target"]
-    assert prefill_chunks(100, 1, chunked=True) == [PREFILL_CHUNK] * 6 + [4]
-    assert Counter(sizes)[PREFILL_CHUNK] == 6 and 4 in sizes and 100 not in sizes
+    assert prefill_chunks(100, 1, chunked=True) == [PREFILL_CHUNK] * (96 // PREFILL_CHUNK) + [4]
+    assert Counter(sizes)[PREFILL_CHUNK] == 96 // PREFILL_CHUNK and 4 in sizes
+    assert 100 not in sizes
     # The draft (1 layer of the target's 2) takes its prompt in chunks twice as long.
     assert [m.chunk_tokens for m in session.models] == [PREFILL_CHUNK, 2 * PREFILL_CHUNK]
     drafts = [n for role, n in calls if role == "draft"]
@@ -238,8 +240,9 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
         sizes = prefill_chunks(n, 1, chunked=True)
         assert sum(sizes) == n and max(sizes) <= PREFILL_CHUNK
         assert len(sizes) == 1 or min(sizes) >= 2
-    assert prefill_chunks(17, 1, chunked=True) == [15, 2]
-    assert prefill_chunks(32, 1, chunked=True) == [16, 16]
+    assert prefill_chunks(17, 1, chunked=True, size=16) == [15, 2]
+    assert prefill_chunks(17, 1, chunked=True, size=8) == [8, 7, 2]
+    assert prefill_chunks(32, 1, chunked=True, size=16) == [16, 16]
     assert prefill_chunks(40, 4, chunked=True) == [40]  # a verification
 
 
