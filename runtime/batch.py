@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from collections.abc import Generator as PieceGenerator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,7 +52,7 @@ from specedge.runtime.backends.ort_cpu import check_batch_rows
 from specedge.runtime.bundle import KV_LAYOUT_IN_PLACE
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.drafting import ModelDrafter
-from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories, LinearCost
+from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import MAX_BATCHED_TOKENS, capacity_for
 from specedge.runtime.pieces import Piece
@@ -176,9 +177,9 @@ class _Meeting:
         for model in {id(c.model): c.model for c in calls}.values():
             group = [c for c in calls if c.model is model]
             try:
-                cost = None if self.costs is None else (
-                    self.costs.target if model is self.target else self.costs.draft)
-                rows = _run_group(model, group, cost)
+                observe = None if self.costs is None else partial(
+                    self.costs.observe, model is self.target)
+                rows = _run_group(model, group, observe)
                 if model is self.target and self.on_call and rows:
                     self.on_call(rows)
             except BaseException as e:  # every waiting sequence learns of it
@@ -205,11 +206,12 @@ def _alone(model: _Model, call: _Call) -> bool:
             and model.caches.spare > 0 and length + 2 > model.max_context)
 
 
-def _run_group(model: _Model, group: list[_Call], cost: LinearCost | None = None) -> int:
+def _run_group(model: _Model, group: list[_Call],
+               observe: Callable[[int, int, float], None] | None = None) -> int:
     """One model's waiting calls: the short ones in one call, prompts one by one; the
     slots' capacity first raised where a call needs more rows, or cut where the sequences
     that needed it have left (the graph attends over all of it). Returns the rows of the
-    batched call (0: none); `cost` is told its size in token-rows and its seconds."""
+    batched call (0: none); `observe(rows, tokens, seconds)` is told its shape and time."""
     caches, backend = model.caches, model.backend
     held = max((slot.length for i, slot in enumerate(caches.slots) if i not in model.kept),
                default=0)
@@ -227,9 +229,9 @@ def _run_group(model: _Model, group: list[_Call], cost: LinearCost | None = None
     if short:
         start = time.perf_counter()
         rows = backend.forward_slots(caches, min(short), {s: c.tokens for s, c in short.items()})
-        if cost is not None:
-            t = max(len(c.tokens) for c in short.values())
-            cost.observe(len(short) * t, time.perf_counter() - start)
+        if observe is not None:
+            observe(len(short), max(len(c.tokens) for c in short.values()),
+                    time.perf_counter() - start)
         for s, c in short.items():
             c.logits = rows[s][len(c.tokens) - c.keep:]
     return len(short)

@@ -24,13 +24,21 @@ each fitted by least squares to the calls the batch ran, the older ones weighing
 window of about HISTORY calls). As B grows, B T grows faster than the fixed part, drafting
 pays less, and K falls, to 0 where no K pays. Until calls of two sizes have been seen, a
 sequence uses its own measurements (auto_k.py `StepHistory`).
+
+The line is a poor fit at small T: a one-row call of two tokens costs about what one of one
+token does (SmolLM2 int4, 2 cores: 10.4 against 10.3 ms; the line says 13), and a
+two-row call of two tokens more than the line says (21.9 against 18 ms). So v(B, T) is the
+running mean of the calls of that very shape where the batch ran them (`seen`), between
+two measured T of the same B a straight line through them, and beyond them the fit's slope
+from the nearest: auto prices the K it drafts from what those calls cost, and the line
+only fills in the shapes not run yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from specedge.runtime.drafting.auto_k import HISTORY, Histories, StepHistory
+from specedge.runtime.drafting.auto_k import HISTORY, SMOOTHING, Histories, StepHistory
 
 
 class LinearCost:
@@ -66,19 +74,49 @@ class LinearCost:
 
 class BatchCosts:
     """The target's and the draft's call costs of one batch session (`LinearCost` each, in
-    token-rows: B T for a target call, B for a draft call of one token a row)."""
+    token-rows: B T for a target call, B for a draft call of one token a row), and the
+    target's measured cost of each call shape (`seen[B][T]`, seconds)."""
 
     def __init__(self) -> None:
         self.target = LinearCost()
         self.draft = LinearCost()
+        self.seen: dict[int, dict[int, float]] = {}
+
+    def observe(self, target: bool, rows: int, tokens: int, seconds: float) -> None:
+        """A batched call of `rows` rows padded to `tokens` tokens took `seconds`."""
+        if not target:
+            self.draft.observe(rows * tokens, seconds)
+            return
+        self.target.observe(rows * tokens, seconds)
+        shape = self.seen.setdefault(rows, {})
+        old = shape.get(tokens)
+        shape[tokens] = seconds if old is None else old + SMOOTHING * (seconds - old)
 
     def verify(self, rows: int, t_max: int) -> list[float] | None:
-        """v(rows, T) for T = 0 .. t_max (index 0 unused), or None until fitted."""
+        """v(rows, T) for T = 0 .. t_max (index 0 unused; module docstring), never falling
+        with T, or None until the line is fitted."""
         fitted = self.target.fit()
         if fitted is None:
             return None
         fixed, per_row = fitted
-        return [max(fixed + per_row * rows * max(t, 1), 1e-9) for t in range(t_max + 1)]
+        slope = per_row * rows
+        seen = self.seen.get(rows, {})
+        costs = [0.0]
+        for t in range(1, t_max + 1):
+            below = max((m for m in seen if m <= t), default=None)
+            above = min((m for m in seen if m >= t), default=None)
+            if below is not None and above is not None and below != above:
+                share = (t - below) / (above - below)
+                v = seen[below] + share * (seen[above] - seen[below])
+            elif below is not None:
+                v = seen[below] + slope * (t - below)
+            elif above is not None:
+                v = seen[above] - slope * (above - t)
+            else:
+                v = fixed + slope * t
+            costs.append(max(v, costs[-1], 1e-9))
+        costs[0] = costs[1]
+        return costs
 
 
 class BatchStepHistory(StepHistory):
