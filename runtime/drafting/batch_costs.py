@@ -25,13 +25,13 @@ window of about HISTORY calls). As B grows, B T grows faster than the fixed part
 pays less, and K falls, to 0 where no K pays. Until calls of two sizes have been seen, a
 sequence uses its own measurements (auto_k.py `StepHistory`).
 
-The line is a poor fit at small T: a one-row call of two tokens costs about what one of one
-token does (SmolLM2 int4, 2 cores: 10.4 against 10.3 ms; the line says 13), and a
-two-row call of two tokens more than the line says (21.9 against 18 ms). So v(B, T) is the
-running mean of the calls of that very shape where the batch ran them (`seen`), between
-two measured T of the same B a straight line through them, and beyond them the fit's slope
-from the nearest: auto prices the K it drafts from what those calls cost, and the line
-only fills in the shapes not run yet.
+The line is a poor fit at small T: a one-row call of two tokens costs about what one of
+one token does (SmolLM2 int4, 2 cores: 10.4 against 10.3 ms; the line says about 12), and
+a two-row call of two tokens more than the line says (21.9 against about 18 ms). So v(B,
+T) is the running mean of the calls of that very shape where the batch ran them (`seen`),
+between two measured T of the same B a straight line through them, and beyond them the
+fit's slope from the nearest: auto prices the K it drafts from what those calls cost, and
+the line only fills in the shapes not run yet.
 """
 
 from __future__ import annotations
