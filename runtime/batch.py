@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 # plus one step of the batch. SmolLM2 int4, 2 cores, four sequences on chat prompts of 45
 # to 145 tokens (docs/MEASUREMENTS.md, "Prompt chunks of 8 tokens"): against chunks of
 # 16, chunks of 8 gave an inter-token p99 of 0.80x (63 -> 51 ms in process; through HTTP
-# 67 -> 54 ms, within 2x of one request's alone) for 0.93x the tokens a second and 1.17x
+# 67 -> 54 ms, about twice one request's alone) for 0.93x the tokens a second and 1.17x
 # the time to a first token; chunks of 12 gave 0.90x, 0.99x and 0.99x.
 PREFILL_CHUNK = 8
 # The slots' capacity is cut once this many of its steps (`caches.step`: GROWTH_STEP rows
