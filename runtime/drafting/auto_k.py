@@ -90,6 +90,27 @@ def best_k(betas: Sequence[float], draft_cost: float, verify_cost: Sequence[floa
     return _highest(rates(betas, draft_cost, verify_cost, k_max, others))
 
 
+def piecewise(measured: dict[int, float], t_max: int, low: float, high: float
+              ) -> list[float]:
+    """Costs for T = 0 .. t_max from costs `measured` at some T (at least one): the
+    measured one where there is one, the straight line between the two measured T around
+    it, and `low` / `high` per token below the first and past the last."""
+    ts = sorted(measured)
+    costs = []
+    for t in range(t_max + 1):
+        j = bisect_left(ts, t)  # ts[j - 1] < t <= ts[j]
+        if j == len(ts):
+            costs.append(measured[ts[-1]] + high * (t - ts[-1]))
+        elif ts[j] == t:
+            costs.append(measured[t])
+        elif j == 0:
+            costs.append(measured[ts[0]] - low * (ts[0] - t))
+        else:
+            a, b = ts[j - 1], ts[j]
+            costs.append(measured[a] + (t - a) / (b - a) * (measured[b] - measured[a]))
+    return costs
+
+
 def _highest(rate: list[float]) -> int:
     return max(range(len(rate)), key=lambda k: (rate[k], -k))
 
@@ -159,20 +180,8 @@ class StepHistory:
             return [one * (1.0 + PRIOR_SLOPE * (t - 1)) for t in range(t_max + 1)]
         low = max(0.0, (vs[1] - vs[0]) / (ts[1] - ts[0]))
         high = max(0.0, (vs[-1] - vs[-2]) / (ts[-1] - ts[-2]))
-        costs = []
-        for t in range(t_max + 1):
-            if t < ts[0]:
-                costs.append(max(vs[0] - low * (ts[0] - t), 0.5 * vs[0]))
-            elif t > ts[-1]:
-                costs.append(vs[-1] + high * (t - ts[-1]))
-            else:
-                j = bisect_left(ts, t)   # ts[j - 1] < t <= ts[j]
-                if ts[j] == t:
-                    costs.append(vs[j])
-                else:
-                    share = (t - ts[j - 1]) / (ts[j] - ts[j - 1])
-                    costs.append(vs[j - 1] + share * (vs[j] - vs[j - 1]))
-        return costs
+        costs = piecewise(self.verify, t_max, low, high)
+        return [max(c, 0.5 * vs[0]) if t < ts[0] else c for t, c in enumerate(costs)]
 
     def draft_cost(self, verify_one: float) -> float:
         return self.draft if self.draft is not None else PRIOR_C * verify_one

@@ -38,7 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specedge.runtime.drafting.auto_k import HISTORY, SMOOTHING, Histories, StepHistory
+from specedge.runtime.drafting.auto_k import (
+    HISTORY,
+    SMOOTHING,
+    Histories,
+    StepHistory,
+    piecewise,
+)
 
 
 class LinearCost:
@@ -100,21 +106,11 @@ class BatchCosts:
             return None
         fixed, per_row = fitted
         slope = per_row * rows
-        seen = self.seen.get(rows, {})
-        costs = [0.0]
+        seen = self.seen.get(rows)
+        costs = (piecewise(seen, t_max, slope, slope) if seen
+                 else [fixed + slope * t for t in range(t_max + 1)])
         for t in range(1, t_max + 1):
-            below = max((m for m in seen if m <= t), default=None)
-            above = min((m for m in seen if m >= t), default=None)
-            if below is not None and above is not None and below != above:
-                share = (t - below) / (above - below)
-                v = seen[below] + share * (seen[above] - seen[below])
-            elif below is not None:
-                v = seen[below] + slope * (t - below)
-            elif above is not None:
-                v = seen[above] - slope * (above - t)
-            else:
-                v = fixed + slope * t
-            costs.append(max(v, costs[-1], 1e-9))
+            costs[t] = max(costs[t], costs[t - 1] if t > 1 else 0.0, 1e-9)
         costs[0] = costs[1]
         return costs
 
