@@ -360,8 +360,14 @@ def test_a_sequence_that_ends_stores_its_rows_while_the_others_decode(batched_bu
         try:
             while True:
                 next(pieces)
-                if signal is not None:
+                if signal is not None and not signal.is_set():
                     signal.set()
+                    # A takes its next step once B has joined: from then on every step
+                    # of A's meets one of B's, so B (its prompt and 10 tokens) ends long
+                    # before A's 120 tokens, however slowly B's thread starts.
+                    deadline = time.monotonic() + 60
+                    while session.meeting.running < 2 and time.monotonic() < deadline:
+                        time.sleep(0.005)
         except StopIteration as done:
             results[name] = done.value.token_ids
 
