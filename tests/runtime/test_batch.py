@@ -187,6 +187,15 @@ def test_each_greedy_sequence_equals_its_plain_decoding_alone(exact):
     assert 0 < accepted < drafted
 
 
+def wait_until_running(session: BatchSession, n: int) -> None:
+    """Called by a sequence's consumer between two pieces: wait until `n` sequences have
+    joined, so that the next step meets the newcomer's, however slowly its thread starts
+    (a tiny model decodes a hundred tokens alone in well under a second)."""
+    deadline = time.monotonic() + 60
+    while session.meeting.running < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch):
     """On a batched int4 bundle, a prompt of 100 tokens that arrives while another
     sequence decodes runs in calls of PREFILL_CHUNK tokens and a last one of 4
@@ -211,7 +220,9 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
         try:
             while True:
                 next(pieces)
-                started.set()  # the first sequence decodes: the second arrives now
+                if i == 0 and not started.is_set():
+                    started.set()  # the first sequence decodes: the second arrives now
+                    wait_until_running(session, 2)
         except StopIteration as done:
             results[i] = done.value
 
@@ -362,12 +373,9 @@ def test_a_sequence_that_ends_stores_its_rows_while_the_others_decode(batched_bu
                 next(pieces)
                 if signal is not None and not signal.is_set():
                     signal.set()
-                    # A takes its next step once B has joined: from then on every step
-                    # of A's meets one of B's, so B (its prompt and 10 tokens) ends long
-                    # before A's 120 tokens, however slowly B's thread starts.
-                    deadline = time.monotonic() + 60
-                    while session.meeting.running < 2 and time.monotonic() < deadline:
-                        time.sleep(0.005)
+                    # From B's joining on, every step of A's meets one of B's, so B (its
+                    # prompt and 10 tokens) ends long before A's 120 tokens.
+                    wait_until_running(session, 2)
         except StopIteration as done:
             results[name] = done.value.token_ids
 
