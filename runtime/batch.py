@@ -71,6 +71,12 @@ if TYPE_CHECKING:
 # 67 -> 54 ms, about twice one request's alone) for 0.93x the tokens a second and 1.17x
 # the time to a first token; chunks of 12 gave 0.90x, 0.99x and 0.99x.
 PREFILL_CHUNK = 8
+# Prompts of at most this many tokens that are read at the same time start their streams
+# together (each first token held until the others are read), and with nobody streaming
+# each is read in one call: a stream's gaps then hold no companion's prompt, at the price
+# of a later first token for the shorter ones (up to (max_batch - 1) x this many tokens
+# read). A longer prompt is read in chunks, and nobody waits for it.
+TOGETHER_TOKENS = 256
 # The slots' capacity is cut once this many of its steps (`caches.step`: GROWTH_STEP rows
 # on the host, CAPACITY_STEP on a device) are unused: a long generation's rows, kept, would
 # slow every later call (kv_cache.py); cut at once, a capacity on the edge would be copied
@@ -92,7 +98,11 @@ class _Call:
     tokens: list[int]
     keep: int
     alone: bool = False  # a prompt's chunk: on a row of its own, not padding the others
-    left: int = 0  # a prompt's tokens still to run, this call's included
+    chunk: bool = False  # a prompt's chunk before its last: no token follows it
+    # A prompt's last call, run, its logits held until `companions` (slots) have read
+    # theirs (`_Meeting._hold_first_tokens`).
+    read: np.ndarray | None = None
+    companions: frozenset[int] = frozenset()
     logits: np.ndarray | None = None
     error: BaseException | None = None
 
@@ -131,15 +141,34 @@ class _Meeting:
     target: _Model | None = None
     costs: BatchCosts | None = None  # told each batched call's rows, tokens and seconds
     done: threading.Condition = field(default_factory=threading.Condition)
+    # The sequences whose first token is not out yet, slot: prompt tokens still to read
+    # (at most), from the moment they take a slot (before they join, which waits for a
+    # meeting under way) until their prompt's last call has run. `arrivals` guards it, so
+    # that a sequence is counted while a meeting runs.
+    reading: dict[int, int] = field(default_factory=dict)
+    arrivals: threading.Lock = field(default_factory=threading.Lock)
+    # Slots of the sequences whose first token is out: those a prompt's reading holds up.
+    streaming: set[int] = field(default_factory=set)
 
-    def join(self) -> None:
+    def join(self, slot: int, tokens: int) -> None:
+        with self.arrivals:
+            self.reading[slot] = tokens
         with self.done:
             self.running += 1
 
-    def leave(self) -> None:
+    def leave(self, slot: int) -> None:
         with self.done:
             self.running -= 1
+            self.streaming.discard(slot)
+            with self.arrivals:
+                self.reading.pop(slot, None)
             self._run_when_all_wait()
+
+    def read(self, slot: int, tokens: int) -> None:
+        """Tell the tokens a sequence's prompt reads (those its slot does not keep)."""
+        with self.arrivals:
+            if slot in self.reading:
+                self.reading[slot] = tokens
 
     def call(self, call: _Call) -> np.ndarray:
         with self.done:
@@ -152,26 +181,26 @@ class _Meeting:
         return call.logits
 
     def _run_when_all_wait(self) -> None:
-        if not self.waiting or len(self.waiting) < self.running:
+        if self._deliver():
+            self.done.notify_all()
+        calls = [c for c in self.waiting if c.read is None]
+        if not calls or len(self.waiting) < self.running:
             return
-        calls = self.waiting
         # The target's calls wait while any draft call does: the sequences that draft run
         # their draft steps, and every sequence's verification then meets in one target
         # call. Run as they come, the sequences' phases drift apart and split the target's
         # calls (SmolLM2 int4, 4 sequences, K = 2: target calls of 1 and 3 rows).
         if any(c.model is not self.target for c in calls):
             calls = [c for c in calls if c.model is not self.target]
-        # One prompt chunk a model a meeting: the others' steps wait for one chunk, not
-        # for every prompt that arrived at once. The prompt with the fewest tokens left
-        # goes first (the earliest of equals), so that prompts arriving together get their
-        # first tokens one after another, shortest first, rather than all at the end of
-        # chunks taken in turns.
-        first: dict[int, _Call] = {}
-        for c in (c for c in calls if _prompt(c)):
-            best = first.get(id(c.model))
-            if best is None or c.left < best.left:
-                first[id(c.model)] = c
-        calls = [c for c in calls if not _prompt(c) or first[id(c.model)] is c]
+        # While sequences stream, one prompt call (a chunk, as a rule) a model a meeting,
+        # the earliest waiting: their steps wait for one chunk, not for every prompt that
+        # arrived at once. With none streaming, every prompt runs: nobody waits for them.
+        if self.streaming:
+            first: dict[int, _Call] = {}
+            for c in calls:
+                if _prompt(c):
+                    first.setdefault(id(c.model), c)
+            calls = [c for c in calls if not _prompt(c) or first[id(c.model)] is c]
         running = {id(c) for c in calls}
         self.waiting = [c for c in self.waiting if id(c) not in running]
         for model in {id(c.model): c.model for c in calls}.values():
@@ -186,7 +215,40 @@ class _Meeting:
                 for c in group:
                     if c.logits is None:
                         c.error = e
+            if model is self.target:
+                self._hold_first_tokens(group)
+        self._deliver()
         self.done.notify_all()
+
+    def _hold_first_tokens(self, group: list[_Call]) -> None:
+        """Count the prompt tokens the target's `group` read, and hold back the first
+        tokens of the prompts it ended while companions (sequences that took a slot before)
+        still read theirs, if those have at most TOGETHER_TOKENS tokens left: their streams
+        then start together, and no gap between two of a stream's tokens holds a
+        companion's prompt. Sequences that take a slot later do not hold them."""
+        with self.arrivals:
+            for c in group:
+                if c.slot in self.reading:
+                    self.reading[c.slot] = max(self.reading[c.slot] - len(c.tokens), 0)
+            ends = [c for c in group if not c.chunk and c.logits is not None
+                    and self.reading.pop(c.slot, None) is not None]
+            companions = frozenset(s for s, left in self.reading.items()
+                                   if left <= TOGETHER_TOKENS)
+        for c in ends:  # a copy: the logits are a view that the next call overwrites
+            c.read, c.logits, c.companions = c.logits.copy(), None, companions
+            self.waiting.append(c)
+
+    def _deliver(self) -> bool:
+        """Hand out the held first tokens whose companions have all read their prompts (or
+        left); whether any was."""
+        with self.arrivals:
+            reading = frozenset(self.reading)
+        ready = [c for c in self.waiting if c.read is not None and not c.companions & reading]
+        for c in ready:
+            c.logits, c.read = c.read, None
+            self.streaming.add(c.slot)
+        self.waiting = [c for c in self.waiting if all(c is not r for r in ready)]
+        return bool(ready)
 
 
 def _prompt(call: _Call) -> bool:
@@ -225,7 +287,8 @@ def _run_group(model: _Model, group: list[_Call],
     short = {c.slot: c for c in group if not _alone(model, c)}
     for c in group:
         if c.slot not in short:
-            c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep)
+            # A copy: a backend's logits are a view that its next call overwrites.
+            c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep).copy()
     if short:
         start = time.perf_counter()
         rows = backend.forward_slots(caches, min(short), {s: c.tokens for s, c in short.items()})
@@ -270,19 +333,23 @@ class RowBackend:
             cache.reclaim(self.reuse)
             tokens = tokens[self.reuse:]
         self.called = True
-        # A prompt (one logit kept) while others run; alone, one call does it all.
-        chunks = prefill_chunks(len(tokens), logits_to_keep,
-                                self.model.chunked and self.meeting.running > 1,
-                                self.model.chunk_tokens)
+        if self.model is self.meeting.target:
+            self.meeting.read(self.slot, len(tokens))
+        # A prompt (one logit kept) runs in chunks while others stream, or, long, while
+        # others read theirs (which then start without it); alone, or with others that
+        # read theirs, in one call.
+        meeting = self.meeting
+        chunked = self.model.chunked and bool(meeting.streaming - {self.slot} or (
+            meeting.running > 1 and len(tokens) > TOGETHER_TOKENS))
+        chunks = prefill_chunks(len(tokens), logits_to_keep, chunked, self.model.chunk_tokens)
         for chunk in chunks[:-1]:
             self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True,
-                                    left=len(tokens)))
+                                    chunk=True))
             tokens = tokens[chunk:]
         # A prompt's call (one logit kept, after a slot's kept rows often a few tokens)
         # runs on a row of its own: in the others' call, it would pad them all to its T.
         alone = len(chunks) > 1 or (logits_to_keep == 1 and len(tokens) > 2)
-        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep, alone,
-                                       left=len(tokens)))
+        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep, alone))
 
 
 def prefill_chunks(n: int, logits_to_keep: int, chunked: bool,
@@ -364,7 +431,7 @@ class BatchSession:
             slot = max(self._free, key=lambda s: (shared_prefix(prompt, target.kept.get(s, [])),
                                                   -target.caches.slots[s].length, -s))
             self._free.remove(slot)
-        self.meeting.join()
+        self.meeting.join(slot, len(prompt))
         rows: list[RowBackend] = []
         held: list[int] = []  # the tokens the slot's rows are the start of
         tokens = None  # the sequence's tokens once it ends: what its slot's rows hold
@@ -393,7 +460,7 @@ class BatchSession:
                     cache.rollback(min(cache.length, shared_prefix(held, tokens)))
                 cache.rollback(min(cache.length, len(tokens)))
                 model.kept[slot] = tokens
-            self.meeting.leave()
+            self.meeting.leave(slot)
             if tokens is not None:
                 self._store(slot)
             with self._lock:

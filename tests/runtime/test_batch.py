@@ -432,10 +432,11 @@ def test_capacity_is_cut_when_the_long_sequence_leaves(batched_bundles, monkeypa
     assert capacities == [GROWTH_STEP], capacities
 
 
-def meeting_of_three(monkeypatch, record):
-    """A meeting of three sequences on a stand-in model whose groups of calls go to
-    `record` (each answered with zero logits) instead of a backend: (the model, a function
-    that runs a sequence's calls in turn and then leaves)."""
+def meeting_of_three(monkeypatch, record, streaming: tuple[int, ...] = (), tokens: int = 16):
+    """A meeting of three sequences (slots 0, 1, 2) on a stand-in model whose groups of
+    calls go to `record` (each answered with zero logits) instead of a backend; the slots in
+    `streaming` have their first token out already, the others have prompts of `tokens`
+    tokens: (the model, a function that runs a sequence's calls in turn and then leaves)."""
 
     def run_group(model, group, cost=None):
         record(group)
@@ -446,33 +447,92 @@ def meeting_of_three(monkeypatch, record):
     monkeypatch.setattr(batch_module, "_run_group", run_group)
     model = object()
     meeting = batch_module._Meeting(target=model)
-    for _ in range(3):
-        meeting.join()
+    for slot in range(3):
+        meeting.join(slot, tokens)
+        if slot in streaming:
+            del meeting.reading[slot]
+            meeting.streaming.add(slot)
 
     def sequence(calls: list[batch_module._Call]) -> None:
         for call in calls:
             meeting.call(call)
-        meeting.leave()
+        meeting.leave(calls[0].slot)
 
     return model, sequence
 
 
-def test_a_meeting_runs_one_prompt_call_a_model(monkeypatch):
-    """Two prompts' calls and a decoding sequence's step wait together: the meeting runs
-    the step and one prompt, the other prompt with the next step, so that the step waits
-    for one prompt call at a time."""
-    groups = []
-    model, sequence = meeting_of_three(monkeypatch, groups.append)
-    threads = [threading.Thread(target=sequence, args=([batch_module._Call(
-        model, slot, [1] * 16, 1, alone=True)],)) for slot in (0, 1)]
-    threads.append(threading.Thread(target=sequence, args=([batch_module._Call(
-        model, 2, [1], 1) for _ in range(3)],)))
+def run_sequences(sequence, calls_of: dict[int, list]) -> None:
+    threads = [threading.Thread(target=sequence, args=(calls,)) for calls in calls_of.values()]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
+    assert not any(t.is_alive() for t in threads), "a sequence still waits on its call"
+
+
+def shapes(groups) -> list[tuple[tuple[int, int], ...]]:
+    """Each group of calls as its (slot, tokens) pairs."""
+    return [tuple(sorted((c.slot, len(c.tokens)) for c in g)) for g in groups]
+
+
+def test_a_meeting_runs_one_prompt_call_a_model_while_a_sequence_streams(monkeypatch):
+    """Two prompts' calls and a streaming sequence's steps wait together: the meeting runs
+    the step and one prompt, the other prompt with the next step, so that the step waits
+    for one prompt call at a time."""
+    groups = []
+    model, sequence = meeting_of_three(monkeypatch, groups.append, streaming=(2,))
+    run_sequences(sequence, {
+        0: [batch_module._Call(model, 0, [1] * 16, 1, alone=True)],
+        1: [batch_module._Call(model, 1, [1] * 16, 1, alone=True)],
+        2: [batch_module._Call(model, 2, [1], 1) for _ in range(3)]})
     assert sorted(tuple(sorted(len(c.tokens) for c in g)) for g in groups) == \
         [(1,), (1, 16), (1, 16)], groups
+
+
+def test_prompts_read_with_nobody_streaming_run_in_one_meeting_and_start_together(
+        monkeypatch):
+    """With no stream to hold up, every waiting prompt runs in the first meeting, and the
+    three sequences' first steps meet in the next one."""
+    groups = []
+    model, sequence = meeting_of_three(monkeypatch, groups.append)
+    run_sequences(sequence, {slot: [batch_module._Call(model, slot, [1] * (8 + slot), 1,
+                                                       alone=True),
+                                    batch_module._Call(model, slot, [1], 1)]
+                             for slot in range(3)})
+    assert shapes(groups) == [((0, 8), (1, 9), (2, 10)), ((0, 1), (1, 1), (2, 1))], groups
+
+
+def test_a_first_token_waits_for_the_prompts_of_companions_that_came_with_it(monkeypatch):
+    """Two prompts read one call a meeting beside a stream: the shorter one's first token
+    is held until the longer one is read, so that its first step comes with the longer
+    one's, not beside the longer one's chunks."""
+    groups = []
+    model, sequence = meeting_of_three(monkeypatch, groups.append, streaming=(2,))
+    prompt = {slot: [batch_module._Call(model, slot, [1] * 8, 1, alone=True, chunk=n > 8)
+                     for n in range(8 * chunks, 0, -8)]
+              for slot, chunks in ((0, 1), (1, 2))}
+    run_sequences(sequence, {
+        **{slot: calls + [batch_module._Call(model, slot, [1], 1)]
+           for slot, calls in prompt.items()},
+        2: [batch_module._Call(model, 2, [1], 1) for _ in range(4)]})
+    met = shapes(groups)
+    assert sorted(met[:3]) == [((0, 8), (2, 1)), ((1, 8), (2, 1)), ((1, 8), (2, 1))], groups
+    assert met[3:] == [((0, 1), (1, 1), (2, 1))], groups
+
+
+def test_nobody_waits_for_a_long_prompt(monkeypatch):
+    """A companion with more than TOGETHER_TOKENS tokens left does not hold a first token:
+    the short prompt's first step comes beside the long one's next chunk."""
+    groups = []
+    model, sequence = meeting_of_three(monkeypatch, groups.append, streaming=(2,),
+                                       tokens=batch_module.TOGETHER_TOKENS + 16)
+    run_sequences(sequence, {
+        0: [batch_module._Call(model, 0, [1] * 8, 1, alone=True),
+            batch_module._Call(model, 0, [1], 1)],
+        1: [batch_module._Call(model, 1, [1] * 8, 1, alone=True, chunk=True),
+            batch_module._Call(model, 1, [1] * 8, 1, alone=True, chunk=True)],
+        2: [batch_module._Call(model, 2, [1], 1) for _ in range(4)]})
+    assert ((0, 1), (1, 8), (2, 1)) in shapes(groups), groups
 
 
 def test_stop_strings_and_eos_end_one_sequence_only(gen):
@@ -567,26 +627,3 @@ def test_an_error_in_one_sequence_reaches_the_caller_and_frees_the_others(gen, m
             batcher.generate(requests)
     results = batcher.generate(requests)
     assert len(results[1].token_ids) == 8 and results[0].stats["drafted_tokens"] > 0
-
-
-def test_the_prompt_with_the_fewest_tokens_left_runs_first(monkeypatch):
-    """A long prompt's chunk and a short prompt wait together with a decoding sequence's
-    step: the short one runs first, whatever the order they arrived in, so that its first
-    token does not wait for the long prompt's chunks."""
-    order = []
-    model, sequence = meeting_of_three(
-        monkeypatch, lambda group: order.extend(c.slot for c in group if c.alone))
-    long = [batch_module._Call(model, 0, [1] * 16, 1, alone=True, left=48 - 16 * i)
-            for i in range(3)]
-    short = [batch_module._Call(model, 1, [1] * 12, 1, alone=True, left=12)]
-    steps = threading.Thread(target=sequence, args=([batch_module._Call(model, 2, [1], 1)
-                                                      for _ in range(4)],))
-    steps.start()
-    first = threading.Thread(target=sequence, args=(long,))
-    first.start()
-    time.sleep(0.2)  # the long prompt's chunk waits first
-    second = threading.Thread(target=sequence, args=(short,))
-    second.start()
-    for t in (steps, first, second):
-        t.join(10)
-    assert order == [1, 0, 0, 0], order
