@@ -1,8 +1,9 @@
 """Batched decoding in process, without the server: tokens a second, inter-token latency
-and time to first token of a `BatchSession` serving the shipped prompts at a concurrency
-(a thread a slot takes the next prompt when its sequence ends), for settings of the session
-taken in turns round by round: the prompt chunk (`PREFILL_CHUNK`), the slots' growth step
-(`SlotCaches.step`), or, with --base REV, the session of runtime/batch.py as it was at
+(pooled, and the worst request's own p99) and time to first token (p50, p90) of a
+`BatchSession` serving the shipped prompts at a concurrency (a thread a slot takes the next
+prompt when its sequence ends), for settings of the session taken in turns round by
+round: the prompt chunk (`PREFILL_CHUNK`), the slots' growth step (`SlotCaches.step`), or,
+with --base REV, the session of runtime/batch.py as it was at
 git revision REV (its module loaded beside this one, on the same models). Prints a table
 with each arm's ratios to the first (median of rounds and the 95% interval of their
 geometric mean, bench/intervals.py), and writes JSON.
@@ -59,12 +60,14 @@ def batch_module_at(rev: str) -> ModuleType:
 
 def serve_once(session, gen: Generator, prompts: list[str], concurrency: int,
                config: GenerationConfig) -> dict:
-    """The prompts through `session`, `concurrency` at a time: tokens, seconds, each
-    sequence's gaps between two pieces and each one's time to its first piece (seconds)."""
+    """The prompts through `session`, `concurrency` at a time: tokens, seconds, every
+    sequence's gaps between two pieces, each sequence's own p99 of them (those with two
+    gaps or more) and each one's time to its first piece (seconds)."""
     jobs: queue.Queue = queue.Queue()
     for p in prompts:
         jobs.put(p)
     gaps: list[float] = []
+    own_p99: list[float] = []
     firsts: list[float] = []
     tokens = [0]
     lock = threading.Lock()
@@ -90,6 +93,8 @@ def serve_once(session, gen: Generator, prompts: list[str], concurrency: int,
             except StopIteration as done:
                 with lock:
                     gaps.extend(mine)
+                    if len(mine) > 1:
+                        own_p99.append(float(np.percentile(mine, 99)))
                     firsts.append(first)
                     tokens[0] += len(done.value.token_ids)
 
@@ -100,7 +105,7 @@ def serve_once(session, gen: Generator, prompts: list[str], concurrency: int,
     for t in threads:
         t.join()
     return {"tokens": tokens[0], "seconds": time.perf_counter() - start, "gaps": gaps,
-            "firsts": firsts}
+            "own_p99": own_p99, "firsts": firsts}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -155,17 +160,21 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bundle": str(args.bundle), "concurrency": args.concurrency,
               "rounds": args.rounds, "tokens": args.tokens, "plain": args.plain,
               "distinct": args.distinct, "base": args.base, "arms": []}
+    # Per round: tokens a second, the pooled inter-token p99, the worst request's own p99
+    # (the largest of the round's), time to first token p50 and p90.
+    keys = ("tokens_per_second", "itl_p99", "worst_request_itl_p99", "ttft_p50", "ttft_p90")
     print(f"| batch.py | chunk | growth step | tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
-          f"| / {' '.join(map(str, base))}: tok/s, ITL p99, TTFT p50 (median of rounds [95% "
+          f"| / {' '.join(map(str, base))}: {', '.join(keys)} (median of rounds [95% "
           "CI]) |\n|---|---|---|---|---|---|---|---|")
     for arm in arms:
-        def per_round(run: dict) -> tuple[float, float, float]:
-            return (run["tokens"] / run["seconds"], float(np.percentile(run["gaps"], 99)),
-                    float(np.median(run["firsts"])))
+        def per_round(run: dict) -> tuple[float, ...]:
+            pooled = float(np.percentile(run["gaps"], 99))
+            return (run["tokens"] / run["seconds"], pooled, max(run["own_p99"], default=pooled),
+                    float(np.median(run["firsts"])), float(np.percentile(run["firsts"], 90)))
 
         ratios = [[a / b for a, b in zip(per_round(x), per_round(y))]
                   for x, y in zip(runs[arm], runs[base])]
-        intervals = [ratio_ci([r[i] for r in ratios]) for i in range(3)]
+        intervals = [ratio_ci([r[i] for r in ratios]) for i in range(len(keys))]
         gaps = np.array([g for run in runs[arm] for g in run["gaps"]]) * 1e3
         p50, p99 = (float(np.percentile(gaps, q)) for q in (50, 99)) if gaps.size else (0, 0)
         rates = [run["tokens"] / run["seconds"] for run in runs[arm]]
@@ -174,8 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                                "target_chunk": getattr(sessions[arm].models[0],
                                                        "chunk_tokens", arm[1]),
                                "tokens_per_second": rates, "ratio": intervals[0]["median"],
-                               "ratios": dict(zip(("tokens_per_second", "itl_p99",
-                                                   "ttft_p50"), intervals)),
+                               "ratios": dict(zip(keys, intervals)),
                                "itl_p50_ms": p50, "itl_p99_ms": p99, "ttft_p50_ms": ttft})
         cells = ", ".join(f"{c['median']:.2f}" + (f" [{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}]"
                                                     if c["ci95"] else "") for c in intervals)

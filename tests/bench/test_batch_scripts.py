@@ -61,6 +61,10 @@ def test_bench_batch_session_takes_each_setting_in_turn(tiny_batched_bundle, tmp
     assert report["arms"][0]["ratio"] == 1.0
     assert all(len(a["tokens_per_second"]) == 2 and a["itl_p99_ms"] >= a["itl_p50_ms"] > 0
                and a["ttft_p50_ms"] > 0 for a in report["arms"])
+    assert set(report["arms"][1]["ratios"]) == {"tokens_per_second", "itl_p99",
+                                                "worst_request_itl_p99", "ttft_p50",
+                                                "ttft_p90"}
+    assert all(len(c["rounds"]) == 2 for c in report["arms"][1]["ratios"].values())
     assert (batch.PREFILL_CHUNK, SlotCaches.step) == before
     assert "| work | 16 | 32 |" in capsys.readouterr().out
 
