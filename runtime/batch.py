@@ -345,8 +345,9 @@ class RowBackend:
         # others read theirs (which then start without it); alone, or with others that
         # read theirs, in one call.
         meeting = self.meeting
-        chunked = self.model.chunked and bool(meeting.streaming - {self.slot} or (
-            meeting.running > 1 and len(tokens) > TOGETHER_TOKENS))
+        with meeting.done:  # `streaming` changes when a held first token is handed out
+            chunked = self.model.chunked and bool(meeting.streaming - {self.slot} or (
+                meeting.running > 1 and len(tokens) > TOGETHER_TOKENS))
         chunks = prefill_chunks(len(tokens), logits_to_keep, chunked, self.model.chunk_tokens)
         for chunk in chunks[:-1]:
             self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True,
