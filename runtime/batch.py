@@ -253,7 +253,8 @@ class _Meeting:
         for c in ready:
             c.logits, c.read = c.read, None
             self.streaming.add(c.slot)
-        self.waiting = [c for c in self.waiting if all(c is not r for r in ready)]
+        handed = {id(c) for c in ready}
+        self.waiting = [c for c in self.waiting if id(c) not in handed]
         return bool(ready)
 
 
@@ -333,21 +334,23 @@ class RowBackend:
                 features: np.ndarray | None = None) -> np.ndarray:
         if cache is not self.model.caches.slots[self.slot]:
             raise ValueError("a batched sequence runs on its own cache slot only")
-        tokens = list(token_ids)
-        if not self.called and self.reuse and cache.length == 0:
-            # The prompt's call, its first rows kept in the slot: only the rest runs.
-            cache.reclaim(self.reuse)
-            tokens = tokens[self.reuse:]
+        tokens, meeting = list(token_ids), self.meeting
+        if not self.called:
+            if self.reuse and cache.length == 0:
+                # The prompt's call, its first rows kept in the slot: only the rest runs.
+                cache.reclaim(self.reuse)
+                tokens = tokens[self.reuse:]
+            if self.model is meeting.target:
+                meeting.read(self.slot, len(tokens))
         self.called = True
-        if self.model is self.meeting.target:
-            self.meeting.read(self.slot, len(tokens))
         # A prompt (one logit kept) runs in chunks while others stream, or, long, while
         # others read theirs (which then start without it); alone, or with others that
-        # read theirs, in one call.
-        meeting = self.meeting
-        with meeting.done:  # `streaming` changes when a held first token is handed out
-            chunked = self.model.chunked and bool(meeting.streaming - {self.slot} or (
-                meeting.running > 1 and len(tokens) > TOGETHER_TOKENS))
+        # read theirs, in one call. A step is never chunked: it asks nothing of the meeting.
+        chunked = False
+        if self.model.chunked and logits_to_keep == 1 and len(tokens) > self.model.chunk_tokens:
+            with meeting.done:  # `streaming` changes when a held first token is handed out
+                chunked = bool(meeting.streaming - {self.slot} or (
+                    meeting.running > 1 and len(tokens) > TOGETHER_TOKENS))
         chunks = prefill_chunks(len(tokens), logits_to_keep, chunked, self.model.chunk_tokens)
         for chunk in chunks[:-1]:
             self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True,
