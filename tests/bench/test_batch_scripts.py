@@ -84,11 +84,13 @@ def test_bench_batch_session_runs_the_batch_module_of_a_revision_beside_this_one
 
 def test_serve_overhead_counts_the_same_tokens_in_process_and_through_the_server(
         tiny_batched_bundle, tmp_path, capsys):
-    """32 tokens an answer: long enough that two answers overlap (and their calls meet)
-    also when the second thread starts late on a busy machine, as 8 did not."""
+    """64 tokens an answer: long enough that two answers overlap (and their calls meet)
+    also when the second thread starts late on a busy machine, as 8 did not, and 32 did not
+    once: a prompt of more than 256 tokens (the third, 411 on the tiny tokenizer) is read
+    in 51 chunks beside the other's steps, more than 32 of them."""
     out = tmp_path / "overhead.json"
     report = serve_overhead.main(["--bundle", str(tiny_batched_bundle), "--max-batch", "2",
-                                  "--concurrency", "2", "--prompts", "3", "--tokens", "32",
+                                  "--concurrency", "2", "--prompts", "3", "--tokens", "64",
                                   "--rounds", "2", "--threads", "1", "--switch-intervals",
                                   "0.001", "--calls", "--out", str(out)])
     assert json.loads(out.read_text()) == report
