@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specedge.runtime.backends.cpu_placement import cpu_placement, run_placed
 from specedge.runtime.backends.memory import cuda_check
 from specedge.runtime.bundle import ModelSpec
 from specedge.runtime.errors import BackendUnavailableError, BundleError
@@ -48,7 +49,9 @@ class OrtEngine:
 
         provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[device]
         self.device = device
-        self.session = open_session(spec, threads, provider, spinning)
+        # Spinning CPU threads each on a core of their own (cpu_placement.py).
+        self.placement = cpu_placement(threads) if spinning and device == "cpu" else None
+        self.session = open_session(spec, threads, provider, spinning, self.placement)
         self.max_tokens, self.max_keep = ORT_MAX_TOKENS, ORT_MAX_KEEP
         self._bindings: dict[tuple, object] = {}
 
@@ -60,7 +63,7 @@ class OrtEngine:
             for b in plan:
                 bind = io.bind_output if b.output else io.bind_input
                 bind(b.name, self.device, 0, b.dtype, list(b.shape), b.address)
-        self.session.run_with_iobinding(io)
+        run_placed(self.session, io, self.placement)
 
     def forget(self) -> None:
         """Drop derived state; the addresses of the next plans differ (a new cache)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specedge.runtime.backends.cpu_placement import Placement, cpu_placement, run_placed
 from specedge.runtime.bundle import (
     FEATURES_IN,
     FEATURES_KEEP,
@@ -79,7 +80,10 @@ class OrtCpuBackend:
         # small and grows (a new cache object is bound at its first call);
         # GroupQueryAttention reads only the valid rows, so growing would only copy.
         self.grows_cache = spec.attention != "fused"
-        self.session = open_session(spec, threads, "CPUExecutionProvider", spinning)
+        # Spinning threads each on a core of their own (cpu_placement.py).
+        self.placement = cpu_placement(threads) if spinning else None
+        self.session = open_session(spec, threads, "CPUExecutionProvider", spinning,
+                                    self.placement)
         self._inputs, self._outputs = spec.io()
         self._past_length = np.zeros(1, np.int64)
         self._keep = np.zeros(1, np.int64)
@@ -170,7 +174,7 @@ class OrtCpuBackend:
         self._keep[0] = logits_to_keep
         self._features_keep[0] = f
         t0 = time.perf_counter()
-        self.session.run_with_iobinding(b.io)
+        run_placed(self.session, b.io, self.placement)
         self.run_seconds += time.perf_counter() - t0
         if b.presents is None:
             cache.advance(t - padded)
@@ -231,7 +235,7 @@ class OrtCpuBackend:
         fill_slot_inputs(caches.slots, lo, rows, self.spec.max_context, *b.ids,
                          b.past_length)
         t0 = time.perf_counter()
-        self.session.run_with_iobinding(b.io)
+        run_placed(self.session, b.io, self.placement)
         self.run_seconds += time.perf_counter() - t0
         logits = {}
         for slot, tokens in rows.items():
@@ -313,10 +317,11 @@ def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:
 
 
 def open_session(spec: ModelSpec, threads: int | None, provider: str,
-                 spinning: bool = False):
+                 spinning: bool = False, placement: Placement | None = None):
     """An ONNX Runtime session for one graph of a bundle, checked against the contract;
     `threads` intra-op threads (None: ONNX Runtime's choice, one per physical core) that
-    spin while they wait for work when `spinning`."""
+    spin while they wait for work when `spinning`, the workers pinned where `placement`
+    says (its runs then go through `run_placed`)."""
     import onnxruntime as ort
 
     here = tuple(int(p) for p in ort.__version__.split(".")[:2])
@@ -338,6 +343,9 @@ def open_session(spec: ModelSpec, threads: int | None, provider: str,
         options.intra_op_num_threads = threads
     for key, value in spinning_entries(spinning).items():
         options.add_session_config_entry(key, value)
+    if placement is not None:
+        options.intra_op_num_threads = placement.threads
+        options.add_session_config_entry("session.intra_op_thread_affinities", placement.workers)
     try:
         session = ort.InferenceSession(str(spec.path), options,
                                        providers=[(provider, PROVIDER_OPTIONS.get(provider, {}))])

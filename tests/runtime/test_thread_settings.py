@@ -70,3 +70,24 @@ def test_greedy_tokens_do_not_depend_on_threads(tiny_bundle, reference, threads,
         for settings in ({"use_draft": False}, {}, {"draft_tokens": 3, "drafter": "model"}):
             got = gen.generate(prompt, raw=True, max_new_tokens=24, **settings).token_ids
             assert got == expected, (prompt, settings)
+
+
+AFFINITIES = "session.intra_op_thread_affinities"
+
+
+@pytest.mark.parametrize("spinning", [True, False])
+def test_spinning_workers_are_pinned_one_core_each(tiny_bundle, spinning):
+    """Spinning, the pools' workers sit on cores of their own and the calling thread on the
+    first (cpu_placement.py); not spinning, nothing is pinned."""
+    from specedge.runtime.backends.cpu_placement import cpu_placement
+
+    gen = Generator.from_bundle(tiny_bundle, threads=2, spinning=spinning)
+    placement = cpu_placement(2) if spinning else None
+    for backend in (gen.target, gen.draft):
+        assert backend.placement == placement
+        options = backend.session.get_session_options()
+        if placement is None:
+            with pytest.raises(RuntimeError, match=AFFINITIES):
+                options.get_session_config_entry(AFFINITIES)
+        else:
+            assert options.get_session_config_entry(AFFINITIES) == placement.workers
