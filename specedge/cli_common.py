@@ -52,9 +52,10 @@ def add_spinning_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thread-spinning", type=spinning_arg, metavar="{auto,on,off}",
                         default=DEFAULT_SPINNING,
                         help="CPU threads spin while they wait for work (ONNX Runtime's "
-                        "allow_spinning): on is fastest on idle cores, off yields the cores "
-                        "to other processes; auto (default) spins while other processes "
-                        "leave the cores idle, measured as it runs")
+                        "allow_spinning), each pinned to a core of its own while they do: "
+                        "on is fastest on idle cores, off yields the cores to other "
+                        "processes; auto (default) spins while other processes leave the "
+                        "cores idle, measured as it runs")
 
 
 def add_max_new_tokens_flag(parser: argparse.ArgumentParser) -> None:
