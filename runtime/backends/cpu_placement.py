@@ -3,8 +3,8 @@
 A run's intra-op work is split between the thread that calls `run` and the pool's workers,
 and every operator ends at a barrier where the caller waits for the workers' blocks. With
 spinning on (docs/design.md#threads) the waiting thread busy-waits on its core, so when
-the scheduler has put a worker on the caller's core (a woken thread goes where its waker
-runs, and the caller's core is the one that woke it) the two share one core for the whole
+a worker and the caller end up on one core (the scheduler may wake a thread on the core of
+the thread that woke it, and the caller wakes the workers) the two share it for the whole
 run while the other core idles: the run takes the time of one thread and more (in
 `specedge serve --max-batch 4` on 2 cores, a few four-row calls a minute took 2.5x their
 median: docs/design.md#threads). ONNX Runtime pins its workers itself only when it picks
