@@ -6,7 +6,7 @@ spinning on (docs/design.md#threads) the waiting thread busy-waits on its core, 
 a worker and the caller end up on one core (the scheduler may wake a thread on the core of
 the thread that woke it, and the caller wakes the workers) the two share it for the whole
 run while the other core idles: the run takes the time of one thread and more (in
-`specedge serve --max-batch 4` on 2 cores, a few four-row calls a minute took 2.5x their
+`specedge serve --max-batch 4` on 2 cores, 2-4 of 360 four-row calls took 2.5x their
 median: docs/design.md#threads). ONNX Runtime pins its workers itself only when it picks
 the thread count, and never the calling thread.
 
