@@ -450,10 +450,14 @@ class BatchSession:
                 held = self._fill(slot, prompt)
             # At least the prompt's last token runs: its logits choose the first token.
             reuse = min(shared_prefix(prompt, held), len(prompt) - 1)
-            rows = [RowBackend(m, slot, self.meeting,
-                               min(reuse, m.caches.slots[slot].length) if m.chunked else 0)
+            kept = [min(reuse, m.caches.slots[slot].length) if m.chunked else 0
                     for m in self.models]
-            drafter = ModelDrafter(rows[1]) if len(rows) > 1 else None
+            # The target reclaims its kept rows at its prompt's call, the sequence's first;
+            # the draft keeps them counted from its start on, for its first call may come
+            # many steps later (ModelDrafter.start).
+            rows = [RowBackend(m, slot, self.meeting, kept[0] if m is target else 0)
+                    for m in self.models]
+            drafter = ModelDrafter(rows[1], kept[1]) if len(rows) > 1 else None
             row = RowModels(rows[0], drafter, rows[0].new_cache(0), self.histories)
             result = yield from self.generator._run(prompt, config, cancel, row)
             tokens = prompt + result.token_ids

@@ -17,20 +17,26 @@ class ModelDrafter:
     name = "model"
     needs_features = False
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, kept: int = 0):
+        """`kept`: rows of the backend's cache that hold the first tokens of the prompt
+        already (a batch slot's rows of an earlier sequence, runtime/batch.py)."""
         self.backend = backend
+        self.kept = kept
         self.selector = selector_for(backend)
         self.cache = None
         self.calls = 0
         self.caught_up = 0
 
     def start(self, prompt: list[int], capacity: int) -> None:
-        """An empty cache: the prompt goes in with the first draft step (`_catch_up`), so
-        that the first token does not wait for it, and a generation that never drafts (auto
-        K at a batch size where drafting does not pay, batch.py) never runs it."""
+        """A cache holding only the `kept` rows: the rest of the prompt goes in with the
+        first draft step (`_catch_up`), so that the first token does not wait for it, and a
+        generation that never drafts (auto K at a batch size where drafting does not pay,
+        batch.py) never runs it. The kept rows stay counted until then: a batch slot's
+        rows past its length are free to the others' calls (their padding is written
+        there) and a resize of the slots copies only the rows counted."""
         if self.cache is None or self.cache.capacity != capacity:
             self.cache = self.backend.new_cache(capacity)
-        self.cache.rollback(0)
+        self.cache.rollback(min(self.cache.length, self.kept))
 
     def source(self, context: list[int]) -> str:
         return self.name

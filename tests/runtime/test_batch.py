@@ -307,6 +307,40 @@ def test_a_prompt_that_continues_an_earlier_sequence_runs_past_its_rows(
                                       gen._cache.planes[:, 0, :, :len(second)])
 
 
+def test_a_drafts_kept_rows_stay_counted_until_its_first_draft_step(batched_bundles):
+    """The draft takes a prompt in at its first draft step, which may come many steps after
+    the first token (lookup drafts, auto K at 0). Until then the draft's rows that its slot
+    kept of the prompt's start stay counted, so that the others' calls write their padding
+    past them and a resize of the slots copies them; counted from 0, a resize lost them and
+    the first draft step then asked for more rows than the cut capacity held. A resize
+    while the draft waits keeps them bit for bit, and the greedy tokens equal plain
+    decoding alone."""
+    gen = Generator.from_bundle(batched_bundles["int4"])
+    session = BatchSession(gen, 2)
+    config = GenerationConfig(max_new_tokens=12, drafter="model", draft_tokens=2)
+    first = gen.encode_prompt(PROMPTS[1], raw=True)
+    answer = run_to_end(session, first, config)
+    second = first + answer + gen.encode_prompt(PROMPTS[3], raw=True)
+    draft = session.models[1].caches
+    slot = next(s for s, kept in session.models[0].kept.items() if kept[:len(first)] == first)
+    held = draft.slots[slot].length
+    rows = draft.planes[:, slot, :, :held].copy()
+    assert held > len(first)
+    pieces = session.run(second, replace(config, max_new_tokens=20))
+    next(pieces)  # the first token: the target has read the prompt, the draft has started
+    assert draft.slots[slot].length == held
+    draft.resize(draft.capacity + GROWTH_STEP)
+    session.models[1].backend.forget_bindings()
+    np.testing.assert_array_equal(draft.planes[:, slot, :, :held], rows)
+    try:
+        while True:
+            next(pieces)
+    except StopIteration as done:
+        tokens = done.value.token_ids
+    assert tokens == gen.generate(prompt_ids=second, max_new_tokens=20,
+                                  use_draft=False).token_ids
+
+
 @pytest.mark.parametrize("store", ["store", "no store"])
 def test_rows_a_slot_gave_up_come_back_from_the_store(store, batched_bundles, monkeypatch):
     """One slot: a conversation's first turn, then an unrelated prompt (each sequence's
