@@ -169,6 +169,30 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="seeds the prompts, the generation and the training (default 0)")
 
 
+def add_corpus_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True,
+                   help="the target's bundle, exported with --attention batched: it answers "
+                   "(e.g. `specedge export smollm2-135m --precision int4 --attention batched "
+                   "--out bundles/smollm2-int4-batched`)")
+    p.add_argument("--out", required=True,
+                   help="corpus folder: made, or grown after its last shard")
+    p.add_argument("--answer-tokens", type=int, default=3_500_000, metavar="N",
+                   help="grow until the corpus' answers hold N tokens (default 3500000)")
+    p.add_argument("--minutes", type=float, default=None, metavar="M",
+                   help="stop after about M minutes, before a shard that would not end in "
+                   "time (default: no limit); run again to go on")
+    p.add_argument("--max-batch", type=int, default=32, metavar="N",
+                   help="requests answered at once (default 32, the fastest on 2 cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="ONNX Runtime CPU threads (default: one per core)")
+    p.add_argument("--new-tokens", type=int, default=256,
+                   help="an answer's cap (default 256); a corpus keeps the value it started with")
+    p.add_argument("--shard-prompts", type=int, default=256, metavar="N",
+                   help="requests a shard answers (default 256); kept as it started")
+    p.add_argument("--seed", type=int, default=0, help="seeds the requests and the sampling "
+                   "(default 0); kept as it started")
+
+
 # ONNX weight precisions TensorRT can parse (int8/int4 are ONNX Runtime's MatMulNBits).
 TENSORRT_EXPORT_PRECISIONS = ("fp32", "fp16")
 
@@ -321,6 +345,28 @@ def run_distill(args: argparse.Namespace) -> None:
           f"held-out top-1 agreement with the target {report['val_top1_agreement']:.2f}",
           file=sys.stderr)
     print(json.dumps({"draft": args.out, "report": report}))
+
+
+def run_corpus(args: argparse.Namespace) -> None:
+    """`specedge corpus`: grow a distillation corpus with the target's answers; resumable."""
+    try:
+        from specedge.export.distill.corpus import CorpusSettings
+        from specedge.export.distill.grow import grow_corpus
+    except ImportError as e:
+        fail(f"this command needs the export extra ({e}): pip install 'specedge[export]'")
+    settings = CorpusSettings(new_tokens=args.new_tokens, shard_prompts=args.shard_prompts,
+                              seed=args.seed)
+    try:
+        report = grow_corpus(args.out, args.bundle, settings, args.answer_tokens,
+                             args.minutes, args.max_batch, args.threads)
+    except (ValueError, RuntimeError, OSError, SpecEdgeError) as e:
+        fail(one_line(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; the shards written are kept: run the same command to go on "
+             f"growing {args.out}")
+    print(f"corpus {args.out}: {report['shards']} shards, {report['rows']} answers, "
+          f"{report['answer_tokens']} answer tokens", file=sys.stderr)
+    print(json.dumps(report))
 
 
 def run_build(args: argparse.Namespace) -> None:

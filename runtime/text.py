@@ -97,6 +97,13 @@ class TextCodec:
             return encoding.ids
         return self._encode_pieces(text, encoding, spans)
 
+    def chat_text(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The chat template's text for `messages`, the assistant turn opened (what
+        `encode_chat` tokenizes). ValueError if the bundle has no template."""
+        if self._template is None:
+            raise ValueError("this bundle has no chat template: pass prompt= (or --raw)")
+        return self._render(list(messages))
+
     def _check_message(self, m: Any, index: int) -> None:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each message needs 'role' and 'content', got {m!r}")

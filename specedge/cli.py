@@ -1,5 +1,5 @@
-"""`specedge <command>`: generate, chat, serve, export, build, distill, bench, doctor,
-gpu-check.
+"""`specedge <command>`: generate, chat, serve, export, build, distill, corpus, bench,
+doctor, gpu-check.
 
 Each command imports only what it needs, so `specedge generate`, `specedge chat`,
 `specedge serve`, `specedge doctor` and `specedge build` run where torch is absent.
@@ -38,6 +38,9 @@ def build_parser() -> Parser:
          "'specedge[export]')", export_cli.add_export_arguments),
         ("distill", "train a small draft for a target on text the target generates (needs "
          "the export extra)", export_cli.add_distill_arguments),
+        ("corpus", "grow a distillation corpus: the target's answers to varied requests, as "
+         "token ids, for `specedge distill --corpus` (needs the export extra)",
+         export_cli.add_corpus_arguments),
         ("build", "bundle -> TensorRT engines, on the device that will run them (needs "
          "tensorrt and cuda-python, no torch)", export_cli.add_build_arguments),
         ("bench", "speculative vs plain decoding and other systems on a prompt set; writes "
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         export_cli.run(args)
     elif args.command == "distill":
         export_cli.run_distill(args)
+    elif args.command == "corpus":
+        export_cli.run_corpus(args)
     elif args.command == "serve":
         serve_cli.run_serve(args)
     elif args.command == "chat":

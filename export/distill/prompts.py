@@ -117,10 +117,10 @@ def passages_from(data: list[dict], tokenizer) -> list[str]:
     """The target's greedy template answers, cut at their last full stop, as passages."""
     out = []
     for ex in data:
-        text = tokenizer.decode(ex["ids"][ex["start"] + 1:].tolist(), skip_special_tokens=True)
-        text = text[:text.rfind(".") + 1].strip()
-        if len(text) >= 200 and "```" not in text:
-            out.append(text)
+        passage = passage_of(tokenizer.decode(ex["ids"][ex["start"] + 1:].tolist(),
+                                              skip_special_tokens=True))
+        if passage is not None:
+            out.append(passage)
     return out
 
 
@@ -131,3 +131,31 @@ def training_prompts(n: int, seed: int) -> list[str]:
     if n > len(pool):
         raise ValueError(f"--prompts can be at most {len(pool)}, got {n}")
     return pool[:n]
+
+
+def pool_requests(seed: int) -> list[tuple[str, str]]:
+    """Every template, question and code request as (kind, request): each kind's list
+    shuffled with `seed`, then taken a kind at a time in turn, so that any first part of the
+    list mixes the three kinds (the corpus takes it in order, shard by shard; corpus.py)."""
+    rng = random.Random(seed + 2)
+    pools = [("template", [task.format(t=t) for t in TOPICS for task in TASKS]),
+             ("question", [q.format(t=t) for q in QUESTIONS for t in TOPICS]),
+             ("code", sorted({f"Write a {lang} function that {task}." for lang in LANGUAGES
+                              for task in CODE_TASKS}))]
+    for _, pool in pools:
+        rng.shuffle(pool)
+    longest = max(len(pool) for _, pool in pools)
+    return [(kind, pool[i]) for i in range(longest) for kind, pool in pools if i < len(pool)]
+
+
+def summary_request(passage: str, rng: random.Random) -> str:
+    """A request to summarise `passage`, in one or two sentences (as the varied prompts)."""
+    length = rng.choice(("one sentence", "two sentences"))
+    return f"Summarize the following passage in {length}.\n\n{passage}"
+
+
+def passage_of(answer: str) -> str | None:
+    """An answer cut at its last full stop, as a passage to summarise: None if that leaves
+    under 200 characters or holds code."""
+    text = answer[:answer.rfind(".") + 1].strip()
+    return text if len(text) >= 200 and "```" not in text else None
