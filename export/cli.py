@@ -164,6 +164,19 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generate-batch", type=int, default=32, metavar="N",
                    help="prompts the target answers at once (default 32); a larger batch is "
                    "faster and takes more memory")
+    p.add_argument("--corpus", metavar="DIR", default=None,
+                   help="train on a corpus made by `specedge corpus` (e.g. corpora/smollm2-135m) "
+                   "instead of answering --prompts here; the target's features are recomputed "
+                   "from it and cached in OUT/work/teacher")
+    p.add_argument("--corpus-tokens", type=int, default=None, metavar="N",
+                   help="with --corpus: only its first shards, up to N answer tokens (default: "
+                   "all), to measure how agreement grows with data")
+    p.add_argument("--unroll", type=int, default=1, metavar="STEPS",
+                   help="with --corpus and --kind feature: drafting steps unrolled in "
+                   "training (training-time test; default 1), at least the K it will draft")
+    p.add_argument("--teacher-dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="with --corpus: the precision of the target's teacher-forced pass "
+                   "(default auto: bf16 where the CPU runs it natively, about twice as fast)")
     p.add_argument("--epochs", type=int, default=6, help="default 6")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the prompts, the generation and the training (default 0)")
@@ -331,7 +344,9 @@ def run_distill(args: argparse.Namespace) -> None:
                         more_prompts=args.more_prompts, self_prompts=args.self_prompts,
                         feature_layers=args.feature_layers, mlp_width=args.mlp_width,
                         new_tokens=args.new_tokens, generate_batch=args.generate_batch,
-                        epochs=args.epochs, seed=args.seed)
+                        epochs=args.epochs, seed=args.seed, corpus=args.corpus,
+                        corpus_tokens=args.corpus_tokens, unroll=args.unroll,
+                        teacher_dtype=args.teacher_dtype)
     try:
         meta = train.distill(args.out, cfg)
     except (ValueError, RuntimeError, OSError) as e:

@@ -27,6 +27,12 @@ class DistillConfig:
     # their outputs are computed from the answers afterwards (add_layer_features).
     feature_layers: list[int] = field(default_factory=list)
     mlp_width: int | None = None  # neurons of each draft layer's MLP; None: the target's
+    # Train on a corpus folder (corpus.py) instead of answers generated here; its first
+    # shards holding at most `corpus_tokens` answer tokens (None: all of it).
+    corpus: str | None = None
+    corpus_tokens: int | None = None
+    unroll: int = 1  # a feature draft's drafting steps unrolled in training (unroll.py)
+    teacher_dtype: str = "auto"  # the target's features on a corpus (teacher.py)
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
                    "seed", "top_k", "varied_prompts", "more_prompts", "self_prompts")

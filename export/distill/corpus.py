@@ -137,21 +137,28 @@ def read_shard(path: Path) -> list[Row]:
             for end, p, a, e, t, k, r in zip(ends, plen, alen, ended, temp, kind, request)]
 
 
-def read_corpus(folder: str | Path, max_tokens: int | None = None) -> list[Row]:
-    """Every row, shard by shard; with `max_tokens`, the first shards whose answers hold at
-    most that many tokens (at least one shard): the same rows each time, for measuring how
-    agreement grows with data."""
+def read_shards(folder: str | Path, max_tokens: int | None = None) -> list[list[Row]]:
+    """The rows of each shard, in order; with `max_tokens`, the first shards whose answers
+    hold at most that many tokens (at least one shard): the same rows each time, for
+    measuring how agreement grows with data."""
     folder = Path(folder)
     if read_meta(folder) is None:
         raise ValueError(f"{folder} is not a corpus (no {CORPUS_META}): make one with "
                          "`specedge corpus --bundle BUNDLE --out DIR`")
-    rows: list[Row] = []
+    shards: list[list[Row]] = []
+    tokens = 0
     for path in shard_paths(folder):
         shard = read_shard(path)
-        if rows and max_tokens is not None and answer_tokens(rows + shard) > max_tokens:
+        tokens += answer_tokens(shard)
+        if shards and max_tokens is not None and tokens > max_tokens:
             break
-        rows += shard
-    return rows
+        shards.append(shard)
+    return shards
+
+
+def read_corpus(folder: str | Path, max_tokens: int | None = None) -> list[Row]:
+    """Every row of `read_shards`, shard after shard."""
+    return [row for shard in read_shards(folder, max_tokens) for row in shard]
 
 
 def answer_tokens(rows: list[Row]) -> int:

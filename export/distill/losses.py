@@ -1,10 +1,12 @@
 """What a draft is trained to minimise: cross-entropy of its head against the target's
-renormalised top-k (the model draft), plus EAGLE's feature regression (the feature draft)."""
+distribution (its renormalised top-k, or over the head tokens from its features), plus EAGLE's
+feature regression (the feature draft), over unrolled drafting steps on a corpus."""
 
 from __future__ import annotations
 
 import torch
 
+from specedge.export.distill.unroll import unrolled_predictions
 from specedge.export.drafts.feature import FeatureDraft
 from specedge.export.graph.outputs import target_features
 
@@ -48,12 +50,20 @@ def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tenso
     return total / count, agree / count
 
 
-def draft_loss(draft, head_ids: torch.Tensor, batch: list[dict]
+def draft_loss(draft, head_ids: torch.Tensor, batch: list[dict], steps: int = 1
                ) -> tuple[torch.Tensor, float]:
-    """Training loss and top-1 agreement of either kind of draft on a batch."""
+    """Training loss and top-1 agreement of either kind of draft on a batch: of generated
+    examples (data.py, with the target's top-k) or of corpus examples (teacher.py, with its
+    features), a feature draft's unrolled over `steps` drafting steps on corpus examples
+    (its first step's agreement)."""
+    corpus = "top_ids" not in batch[0]
     if isinstance(draft, FeatureDraft):
+        if corpus:
+            loss, agree = corpus_feature_loss(draft, batch, steps)
+            return loss, agree[0]
         return feature_loss(draft, batch)
-    return _loss(draft, head_ids, batch)
+    return corpus_model_loss(draft, head_ids, batch) if corpus else _loss(draft, head_ids,
+                                                                          batch)
 
 
 def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, float]:
@@ -103,3 +113,97 @@ def feature_loss(draft: FeatureDraft, batch: list[dict]) -> tuple[torch.Tensor, 
                                      ex, to_head)
         total = total + 0.5 * ce2
     return total / count, agree / count
+
+
+# Unrolled steps' weights in the loss (EAGLE-3's 0.8 ** step): later steps count less, as a
+# later draft token is reached less often.
+STEP_WEIGHT = 0.8
+
+
+def head_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor
+                       ) -> tuple[torch.Tensor, int]:
+    """Sum over positions of the cross-entropy of the draft's head distribution against the
+    target's renormalised over the same head tokens, and how often their argmaxes agree.
+    Both [positions, head tokens]."""
+    logq = torch.log_softmax(draft_logits, dim=-1)
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return -(p * logq).sum(), int((logq.argmax(-1) == target_logits.argmax(-1)).sum())
+
+
+def _padded(batch: list[dict], key: str, width: int) -> torch.Tensor:
+    """`ex[key]` [n, D] of each example, zero-padded at the end to [B, width, D], float."""
+    first = batch[0][key]
+    out = torch.zeros(len(batch), width, first.shape[-1])
+    for b, ex in enumerate(batch):
+        out[b, :len(ex[key])] = ex[key].float()
+    return out
+
+
+def corpus_feature_loss(draft: FeatureDraft, batch: list[dict], steps: int
+                        ) -> tuple[torch.Tensor, list[float]]:
+    """Loss of a feature draft on corpus examples (teacher.py), unrolled over `steps`
+    drafting steps (unroll.py); and its top-1 agreement with the target at each step.
+
+    Step j's prediction at pair r, f^_{r+1} from r0 = r - j, is scored by the cross-entropy
+    of softmax(W_head f^_{r+1}) against the target's softmax(W_head f_{r+1}) over the head
+    tokens, at the answer positions where r - j >= start - 1 (drafting starts once the
+    prompt is read), weighted STEP_WEIGHT ** j; step 0's also by smooth L1 against the
+    target's (fused) f_{r+1}, EAGLE's regression term. Divided by step 0's positions."""
+    width = max(len(ex["features"]) for ex in batch)
+    hidden = draft.config.hidden_size
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, ex in enumerate(batch):
+        n = len(ex["features"])
+        ids[b, :n] = ex["ids"][1:n + 1].long()
+    final = _padded(batch, "features", width)
+    fuse, layer_outputs = getattr(draft, "fuse", None), []
+    if fuse is not None:
+        layer_outputs = list(_padded(batch, "layer_features", width).split(hidden, dim=-1))
+    features = target_features(fuse, layer_outputs, final)
+    outs = unrolled_predictions(draft, ids, features, steps)
+    head_w = draft.lm_head.weight[draft.specedge_head_ids]
+    total, count = 0.0, 0
+    agree = [0] * steps
+    counted = [0] * steps
+    for b, ex in enumerate(batch):
+        n, start, answer = len(ex["features"]), ex["start"], ex["answer"]
+        total = total + torch.nn.functional.smooth_l1_loss(
+            outs[0][b, :n - 1], features[b, 1:n].detach(), reduction="sum") / hidden
+        with torch.no_grad():
+            target_logits = final[b, start:start + answer] @ head_w.T  # answer i at start + i
+        count += answer
+        for j, out in enumerate(outs):
+            # Pair r = start - 1 + i predicts answer i; step j needs r - j >= start - 1.
+            first = max(j, 1 - start)  # pair -1 does not exist
+            if first >= answer:
+                break
+            ce, hits = head_cross_entropy(
+                draft.head_logits(out[b, start - 1 + first:start - 1 + answer]),
+                target_logits[first:])
+            total = total + STEP_WEIGHT ** j * ce
+            agree[j] += hits
+            counted[j] += answer - first
+    return total / max(count, 1), [a / max(c, 1) for a, c in zip(agree, counted)]
+
+
+def corpus_model_loss(draft, head_ids: torch.Tensor, batch: list[dict]
+                      ) -> tuple[torch.Tensor, float]:
+    """A model draft's loss on corpus examples: head_cross_entropy at each answer position
+    against the target's distribution over the head tokens, from its features."""
+    width = max(len(ex["ids"]) for ex in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for b, ex in enumerate(batch):
+        ids[b, :len(ex["ids"])] = ex["ids"].long()
+        mask[b, :len(ex["ids"])] = 1
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    head_w = draft.model.embed_tokens.weight[head_ids]
+    total, agree, count = 0.0, 0, 0
+    for b, ex in enumerate(batch):
+        start, answer = ex["start"], ex["answer"]
+        with torch.no_grad():
+            target_logits = ex["features"][start:start + answer].float() @ head_w.T
+        ce, hits = head_cross_entropy(hidden[b, start:start + answer] @ head_w.T,
+                                      target_logits)
+        total, agree, count = total + ce, agree + hits, count + answer
+    return total / max(count, 1), agree / max(count, 1)

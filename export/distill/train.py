@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from specedge.export.distill.config import DistillConfig
+from specedge.export.distill.corpus import answer_tokens, read_meta, read_shards, summary
 from specedge.export.distill.data import (
     add_layer_features,
     build_dataset,
@@ -47,8 +48,11 @@ from specedge.export.distill.draft_folder import (
     save_draft,
     tokenizer_digest,
 )
-from specedge.export.distill.losses import (
-    draft_loss,
+from specedge.export.distill.losses import corpus_feature_loss, draft_loss
+from specedge.export.distill.teacher import (
+    answer_head_ids,
+    corpus_examples,
+    teacher_dtype,
 )
 from specedge.export.drafts.feature import FeatureDraft, check_feature_layers
 from specedge.export.drafts.truncated import attach_head, check_mlp_width, make_draft
@@ -68,8 +72,9 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
           work: Path) -> dict:
     """AdamW with cosine decay; checkpoints every 50 steps and resumes from the last."""
     rng = random.Random(cfg.seed)
-    val = [data[i] for i in range(0, len(data), 20)]
-    train_set = [ex for i, ex in enumerate(data) if i % 20]
+    # Indices, not examples: a corpus' examples are read from disk when a batch needs them.
+    val = list(range(0, len(data), 20))
+    train_set = [i for i in range(len(data)) if i % 20]
     steps_per_epoch = math.ceil(len(train_set) / cfg.batch)
     total_steps = steps_per_epoch * cfg.epochs
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -92,7 +97,8 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
                file=sys.stderr)
     draft.train()
     while step < total_steps:
-        loss, agree = draft_loss(draft, head_ids, [train_set[i] for i in orders[step]])
+        loss, agree = draft_loss(draft, head_ids, [data[train_set[i]] for i in orders[step]],
+                                 cfg.unroll)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -109,12 +115,63 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
                             "sched": sched.state_dict(), "step": step}, tmp)
     bar.close()
     draft.eval()
+    report = {"train_sequences": len(train_set), "val_sequences": len(val),
+              "steps": total_steps}
     with torch.no_grad():
-        losses = [draft_loss(draft, head_ids, val[i:i + cfg.batch]) for i in
-                  range(0, len(val), cfg.batch)]
+        batches = ([data[j] for j in val[i:i + cfg.batch]] for i in
+                   range(0, len(val), cfg.batch))  # read from disk one at a time
+        if isinstance(draft, FeatureDraft) and "top_ids" not in data[val[0]]:
+            # Agreement at each drafting step (unroll.py), at least three, from r0 = r - j.
+            steps = max(3, cfg.unroll)
+            losses = [corpus_feature_loss(draft, batch, steps) for batch in batches]
+            report["val_step_agreement"] = [
+                sum(x[1][j] for x in losses) / len(losses) for j in range(steps)]
+            losses = [(loss, agree[0]) for loss, agree in losses]
+        else:
+            losses = [draft_loss(draft, head_ids, batch) for batch in batches]
     return {"val_loss": sum(x[0].item() for x in losses) / len(losses),
-            "val_top1_agreement": sum(x[1] for x in losses) / len(losses),
-            "train_sequences": len(train_set), "val_sequences": len(val), "steps": total_steps}
+            "val_top1_agreement": sum(x[1] for x in losses) / len(losses), **report}
+
+
+def _fresh_training_state(work: Path, cfg: DistillConfig) -> None:
+    """Drop the training state if it was made with other settings (training starts over on
+    the same data)."""
+    run_path = work / "settings.json"
+    if run_path.is_file() and {**asdict(DistillConfig()),
+                               **json.loads(run_path.read_text())} != asdict(cfg):
+        (work / "train.pt").unlink(missing_ok=True)
+    run_path.write_text(json.dumps(asdict(cfg), indent=1))
+
+
+def _distill_on_corpus(out: Path, work: Path, cfg: DistillConfig) -> dict:
+    """`distill` on a corpus folder: its answers, the target's features recomputed by
+    teacher forcing (teacher.py, cached in work/teacher), a head over the tokens the answers
+    use most."""
+    from specedge.export.sources import load_model
+
+    shards = read_shards(cfg.corpus, cfg.corpus_tokens)
+    corpus_meta = read_meta(Path(cfg.corpus))
+    _fresh_training_state(work, cfg)
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_model(cfg.target)
+    if target.config.model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
+    if corpus_meta["tokenizer_sha256"] != tokenizer_digest(tokenizer):
+        raise ValueError(f"the corpus {cfg.corpus} was made by a target with another "
+                         f"tokenizer ({corpus_meta['target']!r}), not {cfg.target!r}")
+    check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
+    check_mlp_width(target.config, cfg.mlp_width)
+    t0 = time.time()
+    rows = [r for shard in shards for r in shard]
+    head_ids = answer_head_ids(rows, cfg.head_tokens, target.config.vocab_size)
+    draft = new_draft(target, cfg, head_ids)
+    data = corpus_examples(target, shards, tuple(getattr(draft, "feature_layers", ())),
+                           work / "teacher", dtype=teacher_dtype(cfg.teacher_dtype))
+    report = train(draft, head_ids, data, cfg, work)
+    meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
+            "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),
+            "answer_tokens": answer_tokens(rows), "corpus": summary(rows)}
+    return save_draft(draft, head_ids, out, meta)
 
 
 def distill(out: str | Path, cfg: DistillConfig) -> dict:
@@ -131,15 +188,20 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
     if cfg.feature_layers and cfg.kind != "feature":
         raise ValueError("--feature-layers is for --kind feature drafts")
+    if cfg.unroll < 1 or (cfg.unroll > 1 and (cfg.kind != "feature" or not cfg.corpus)):
+        raise ValueError("--unroll takes a step count >= 1; more than 1 is for --kind feature "
+                         "drafts trained on a --corpus")
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    if cfg.corpus:
+        return _distill_on_corpus(out, work, cfg)
     # Generated data is reused only for the same data settings; a training state only for
     # the same settings altogether (otherwise training starts over on the cached data).
     # Data made without --self-prompts (or without both --more-prompts and --self-prompts)
     # may gain them: their shards come last. A setting missing from a saved settings file
     # reads as its default, which is how data and states without it were made.
-    data_path, run_path = work / "data-settings.json", work / "settings.json"
+    data_path = work / "data-settings.json"
     if data_path.is_file():
         made = {**DistillConfig().data_settings(), **json.loads(data_path.read_text())}
         now = cfg.data_settings()
@@ -148,10 +210,7 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
             raise ValueError(f"{work} holds data generated with other settings; use another "
                              "--out or delete it")
     data_path.write_text(json.dumps(cfg.data_settings(), indent=1))
-    if run_path.is_file() and {**asdict(DistillConfig()),
-                               **json.loads(run_path.read_text())} != asdict(cfg):
-        (work / "train.pt").unlink(missing_ok=True)
-    run_path.write_text(json.dumps(asdict(cfg), indent=1))
+    _fresh_training_state(work, cfg)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.target)
     if target.config.model_type not in ("llama", "mistral", "qwen2"):

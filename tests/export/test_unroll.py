@@ -1,0 +1,68 @@
+"""Training-time test (export/distill/unroll.py): each unrolled step's prediction is what the
+draft computes when it drafts that many tokens from the target's features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specedge.export.distill.unroll import step_mask, unrolled_predictions
+from specedge.export.drafts.feature import FeatureDraft
+from specedge.export.sources import load_model
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_checkpoints):
+    target, _ = load_model(str(tiny_checkpoints["llama"]))
+    torch.manual_seed(0)
+    d = FeatureDraft(target, torch.arange(34))
+    with torch.no_grad():  # a draft whose every branch does something, as a trained one's
+        for p in d.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    return d.eval()
+
+
+def test_step_mask_reads_the_verified_pairs_and_one_pair_of_each_earlier_step():
+    length = 6
+    assert torch.equal(step_mask(length, 0), torch.ones(length, length).tril().bool())
+    m = step_mask(length, 2)  # columns: step 0's keys, step 1's, step 2's
+    for r in range(length):
+        assert m[r, :length].tolist() == [s <= r - 2 for s in range(length)]
+        assert m[r, length:2 * length].nonzero().flatten().tolist() == ([r - 1] if r >= 1
+                                                                          else [])
+        assert m[r, 2 * length:].nonzero().flatten().tolist() == [r]
+
+
+def test_step_zero_is_the_drafts_prediction_on_the_targets_features(draft):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 34, (2, 9))
+    features = torch.randn(2, 9, draft.config.hidden_size)
+    with torch.no_grad():
+        outs = unrolled_predictions(draft, ids, features, 1)
+        assert torch.allclose(outs[0], draft.predict(ids, features), atol=1e-5)
+
+
+def test_each_step_is_what_drafting_that_many_tokens_computes(draft):
+    """From r0, drafting runs the pairs (f_0, x_1) .. (f_r0, x_{r0+1}) on the target's
+    features, then (f^_{r0+1}, x_{r0+2}), ...: each on its own prediction at the pair before.
+    Step j of the unrolled pass at r = r0 + j must equal the last prediction of that chain."""
+    torch.manual_seed(2)
+    length, steps = 10, 4
+    ids = torch.randint(3, 34, (1, length))
+    features = torch.randn(1, length, draft.config.hidden_size)
+    with torch.no_grad():
+        outs = unrolled_predictions(draft, ids, features, steps)
+        for r0 in range(length - steps + 1):
+            chain = features[:, :r0 + 1].clone()
+            for j in range(steps):
+                pred = draft.predict(ids[:, :r0 + j + 1], chain)
+                assert torch.allclose(outs[j][0, r0 + j], pred[0, -1], rtol=1e-4,
+                                      atol=1e-4), (r0, j)
+                chain = torch.cat([chain, pred[:, -1:]], dim=1)
+
+
+def test_unrolling_takes_one_step_or_more(draft):
+    with pytest.raises(ValueError, match=">= 1"):
+        unrolled_predictions(draft, torch.zeros(1, 3, dtype=torch.long),
+                             torch.zeros(1, 3, draft.config.hidden_size), 0)
