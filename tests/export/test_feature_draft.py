@@ -383,3 +383,23 @@ def test_feature_layers_need_a_feature_draft(tmp_path):
     with pytest.raises(ValueError, match="--feature-layers is for --kind feature"):
         distill(tmp_path / "d", DistillConfig(kind="model", feature_layers=[2]))
     assert not (tmp_path / "d").exists()
+
+
+def test_draft_agreement_script_scores_its_first_step_as_the_first_draft_token(
+        feature_draft, tiny_checkpoints):
+    """`step_agreement`'s first step is the agreement of the first draft token, counted
+    against the target's greedy answer tokens; later steps are scored on fewer positions."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
+    import draft_agreement
+
+    from specedge.export.distill.draft_folder import load_draft
+
+    target, tok, runs = draft_agreement.target_answers(str(tiny_checkpoints["llama"]), 4, 16)
+    draft = load_draft(feature_draft[0], target, tok)
+    first = draft_agreement.agreement(draft, runs, target)["all"]
+    steps = draft_agreement.step_agreement(draft, runs, 3)
+    assert len(steps) == 3 and all(0 <= s <= 1 for s in steps)
+    assert steps[0] == pytest.approx(first, abs=1e-3)
