@@ -84,22 +84,23 @@ def answer_jobs(session: BatchSession, jobs: list[tuple[list[int], GenerationCon
                 on_done: Callable[[int], None] = lambda n: None) -> list:
     """Each job's GenerationResult, in order: `session.max_batch` threads take the next job
     as soon as theirs ends, so the batch stays full until the jobs run out. `on_done(n)`
-    is told each answer's token count."""
+    is told each answer's token count. Interrupted (Ctrl-C), the running answers stop
+    within a step and no new one starts."""
     todo: queue.Queue = queue.Queue()
     for i in range(len(jobs)):
         todo.put(i)
     results: list = [None] * len(jobs)
-    lock = threading.Lock()
+    lock, cancel = threading.Lock(), threading.Event()
 
     def work() -> None:
-        while True:
+        while not cancel.is_set():
             try:
                 i = todo.get_nowait()
             except queue.Empty:
                 return
             ids, config = jobs[i]
             try:
-                pieces = session.run(ids, config)
+                pieces = session.run(ids, config, cancel)
                 while True:
                     next(pieces)
             except StopIteration as done:
@@ -108,14 +109,21 @@ def answer_jobs(session: BatchSession, jobs: list[tuple[list[int], GenerationCon
                     on_done(len(done.value.token_ids))
             except BaseException as e:  # raised on the caller's thread below
                 results[i] = e
+                cancel.set()  # the others stop too: the shard will not be written
                 return
 
-    threads = [threading.Thread(target=work, name=f"specedge-corpus-{k}")
+    threads = [threading.Thread(target=work, name=f"specedge-corpus-{k}", daemon=True)
                for k in range(min(session.max_batch, len(jobs)))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        cancel.set()
+        for t in threads:
+            t.join(timeout=10)
+        raise
     for r in results:
         if isinstance(r, BaseException):
             raise r
