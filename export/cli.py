@@ -167,7 +167,7 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", metavar="DIR", default=None,
                    help="train on a corpus made by `specedge corpus` (e.g. corpora/smollm2-135m) "
                    "instead of answering --prompts here; the target's features are recomputed "
-                   "from it and cached in OUT/work/teacher")
+                   "from it and cached in the specedge cache")
     p.add_argument("--corpus-tokens", type=int, default=None, metavar="N",
                    help="with --corpus: only its first shards, up to N answer tokens (default: "
                    "all), to measure how agreement grows with data")

@@ -10,16 +10,19 @@ the draft's head tokens (losses.py). Rows run longest first in batches of about
 
 A corpus of a few million tokens makes gigabytes of features (SmolLM2-135M: 576 values a
 position a layer, fp16), so they go to disk, one array a shard (`np.lib.format`, read back
-memory-mapped), in a cache folder: a shard's file is made once, and a grown corpus computes
-only its new shards. On CPUs with native bfloat16 (AVX-512 BF16, AMX) the pass runs in
-bfloat16 by default, about twice as fast as float32 on a 2-core AMD EPYC (257 against 132
-tokens a second with the corpus' growth sharing the cores); the features are stored in fp16
-either way.
+memory-mapped), in the specedge cache (`$SPECEDGE_CACHE/teacher/TARGET`, outside any draft
+folder and work tree): a shard's file is made once and found again by its rows' digest, so a
+grown corpus computes only its new shards and runs on a part of the corpus (`--corpus-tokens`)
+or for another draft reuse the files. On CPUs with native bfloat16 (AVX-512 BF16, AMX) the
+pass runs in bfloat16 by default, about twice as fast as float32 on a 2-core AMD EPYC (257
+against 132 tokens a second with the corpus' growth sharing the cores); the features are
+stored in fp16 either way.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +33,7 @@ from tqdm import tqdm
 
 from specedge.export.distill.corpus import Row
 from specedge.export.drafts.feature import target_layer_outputs
+from specedge.export.sources import cache_dir
 from specedge.runtime.atomic_files import replacing
 
 TEACHER_DTYPES = ("auto", "fp32", "bf16")
@@ -131,16 +135,36 @@ class CorpusExamples(Sequence):
         return ex
 
 
+def teacher_cache(target: str) -> Path:
+    """The folder of a target's teacher features: `$SPECEDGE_CACHE/teacher/NAME-HASH`, NAME
+    the target's alias or folder name, HASH of how it was given."""
+    name = Path(str(target)).name or "target"
+    digest = hashlib.sha256(str(target).encode()).hexdigest()[:8]
+    return cache_dir() / "teacher" / f"{name}-{digest}"
+
+
+def rows_digest(rows: Sequence[Row]) -> str:
+    """Names a shard's rows by their tokens: its features' file is found again whichever
+    run, draft folder or corpus size asks for it."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(np.int64(r.prompt_len).tobytes())
+        h.update(r.ids.astype(np.int32).tobytes())
+    return h.hexdigest()[:16]
+
+
 def corpus_examples(target, shards: list[list[Row]], layers: tuple[int, ...], cache: Path,
                     batch_tokens: int = 8192, dtype: torch.dtype = torch.float32
                     ) -> CorpusExamples:
-    """The corpus' shards as examples, computing the features of shards not in `cache`."""
+    """The corpus' shards as examples, computing the features of shards not in `cache` (a
+    folder for this target: the files are named by their rows, layers and precision)."""
     tag = "_".join(map(str, layers)) or "final"
     kind = str(dtype).removeprefix("torch.")
     features = [shard_features(target, rows, tuple(layers),
-                               cache / f"features-{s:04d}-{tag}-{kind}.npy", batch_tokens, dtype)
-                for s, rows in enumerate(tqdm(shards, desc="teacher forcing", unit="shard",
-                                              file=sys.stderr))]
+                               cache / f"features-{rows_digest(rows)}-{tag}-{kind}.npy",
+                               batch_tokens, dtype)
+                for rows in tqdm(shards, desc="teacher forcing", unit="shard",
+                                 file=sys.stderr)]
     return CorpusExamples([r for rows in shards for r in rows], [len(r) for r in shards],
                           features, target.config.hidden_size)
 

@@ -52,6 +52,7 @@ from specedge.export.distill.losses import corpus_feature_loss, draft_loss
 from specedge.export.distill.teacher import (
     answer_head_ids,
     corpus_examples,
+    teacher_cache,
     teacher_dtype,
 )
 from specedge.export.drafts.feature import FeatureDraft, check_feature_layers
@@ -145,8 +146,8 @@ def _fresh_training_state(work: Path, cfg: DistillConfig) -> None:
 
 def _distill_on_corpus(out: Path, work: Path, cfg: DistillConfig) -> dict:
     """`distill` on a corpus folder: its answers, the target's features recomputed by
-    teacher forcing (teacher.py, cached in work/teacher), a head over the tokens the answers
-    use most."""
+    teacher forcing (teacher.py, cached in the specedge cache), a head over the tokens the
+    answers use most."""
     from specedge.export.sources import load_model
 
     shards = read_shards(cfg.corpus, cfg.corpus_tokens)
@@ -166,7 +167,7 @@ def _distill_on_corpus(out: Path, work: Path, cfg: DistillConfig) -> dict:
     head_ids = answer_head_ids(rows, cfg.head_tokens, target.config.vocab_size)
     draft = new_draft(target, cfg, head_ids)
     data = corpus_examples(target, shards, tuple(getattr(draft, "feature_layers", ())),
-                           work / "teacher", dtype=teacher_dtype(cfg.teacher_dtype))
+                           teacher_cache(cfg.target), dtype=teacher_dtype(cfg.teacher_dtype))
     report = train(draft, head_ids, data, cfg, work)
     meta = {"target": cfg.target, "tokenizer_sha256": tokenizer_digest(tokenizer),
             "config": asdict(cfg), "report": report, "seconds": round(time.time() - t0),
