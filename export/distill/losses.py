@@ -161,7 +161,6 @@ def corpus_feature_loss(draft: FeatureDraft, batch: list[dict], steps: int
         layer_outputs = list(_padded(batch, "layer_features", width).split(hidden, dim=-1))
     features = target_features(fuse, layer_outputs, final)
     outs = unrolled_predictions(draft, ids, features, steps)
-    head_w = draft.lm_head.weight[draft.specedge_head_ids]
     total, count = 0.0, 0
     agree = [0] * steps
     counted = [0] * steps
@@ -169,8 +168,8 @@ def corpus_feature_loss(draft: FeatureDraft, batch: list[dict], steps: int
         n, start, answer = len(ex["features"]), ex["start"], ex["answer"]
         total = total + torch.nn.functional.smooth_l1_loss(
             outs[0][b, :n - 1], features[b, 1:n].detach(), reduction="sum") / hidden
-        with torch.no_grad():
-            target_logits = final[b, start:start + answer] @ head_w.T  # answer i at start + i
+        with torch.no_grad():  # the target's head on its features: answer i at start + i
+            target_logits = draft.head_logits(final[b, start:start + answer])
         count += answer
         for j, out in enumerate(outs):
             # Pair r = start - 1 + i predicts answer i; step j needs r - j >= start - 1.

@@ -55,7 +55,11 @@ from specedge.export.distill.teacher import (
     teacher_cache,
     teacher_dtype,
 )
-from specedge.export.drafts.feature import FeatureDraft, check_feature_layers
+from specedge.export.drafts.feature import (
+    FeatureDraft,
+    check_feature_layers,
+    check_feature_target,
+)
 from specedge.export.drafts.truncated import attach_head, check_mlp_width, make_draft
 from specedge.runtime.atomic_files import replacing
 
@@ -134,6 +138,19 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
             "val_top1_agreement": sum(x[1] for x in losses) / len(losses), **report}
 
 
+# Targets a model draft (export/drafts/truncated.py) is distilled for.
+MODEL_DRAFT_TARGETS = ("llama", "mistral", "qwen2")
+
+
+def check_distill_target(config, kind: str) -> None:
+    """ValueError unless `distill --kind kind` takes this target."""
+    if kind == "feature":
+        check_feature_target(config)
+    elif config.model_type not in MODEL_DRAFT_TARGETS:
+        raise ValueError(f"distill --kind model takes {', '.join(MODEL_DRAFT_TARGETS)} "
+                         f"targets, not {config.model_type!r}; --kind feature takes more")
+
+
 def _fresh_training_state(work: Path, cfg: DistillConfig) -> None:
     """Drop the training state if it was made with other settings (training starts over on
     the same data)."""
@@ -155,8 +172,7 @@ def _distill_on_corpus(out: Path, work: Path, cfg: DistillConfig) -> dict:
     _fresh_training_state(work, cfg)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.target)
-    if target.config.model_type not in ("llama", "mistral", "qwen2"):
-        raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
+    check_distill_target(target.config, cfg.kind)
     if corpus_meta["tokenizer_sha256"] != tokenizer_digest(tokenizer):
         raise ValueError(f"the corpus {cfg.corpus} was made by a target with another "
                          f"tokenizer ({corpus_meta['target']!r}), not {cfg.target!r}")
@@ -214,8 +230,7 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     _fresh_training_state(work, cfg)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.target)
-    if target.config.model_type not in ("llama", "mistral", "qwen2"):
-        raise ValueError("distill supports Llama, Mistral and Qwen2 targets")
+    check_distill_target(target.config, cfg.kind)
     # Before the answers, which can take hours, rather than when the draft is built.
     check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
     check_mlp_width(target.config, cfg.mlp_width)

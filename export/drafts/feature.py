@@ -40,12 +40,10 @@ import torch
 from torch import nn
 
 from specedge.export.drafts.truncated import check_mlp_width, copy_layer
-from specedge.export.graph.attention import gqa_lengths
-from specedge.export.graph.decoder import FusedInputs
-from specedge.export.graph.families import kernel_rotates
-from specedge.export.graph.llama import llama_bias, llama_layer, llama_layer_fused
+from specedge.export.graph.decoder import Decoder
+from specedge.export.graph.families import FEATURE_DRAFT_FAMILIES
 from specedge.export.graph.outputs import last_positions, lm_head
-from specedge.export.graph.rotary import gqa_rotary_cache, rotary_tables
+from specedge.export.graph.trace import DECODERS
 
 
 class FeatureDraft(nn.Module):
@@ -57,12 +55,17 @@ class FeatureDraft(nn.Module):
     def __init__(self, target: nn.Module, head_ids: torch.Tensor,
                  feature_layers: tuple[int, ...] = (), mlp_width: int | None = None):
         super().__init__()
+        check_feature_target(target.config)
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = 1
         check_mlp_width(config, mlp_width)
         config.intermediate_size = mlp_width or config.intermediate_size
         if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:1]
+            config.layer_types = ["full_attention"]
+        # Full attention over its pairs, in training as in its graph: a target's sliding
+        # window (Mistral, Phi-3) bounds what its own layers read, not what the draft may.
+        if getattr(config, "sliding_window", None):
+            config.sliding_window = None
         # Training runs the layer through transformers' attention; sdpa is causal when
         # given no mask (the eager path would attend to every pair).
         config._attn_implementation = "sdpa"
@@ -96,15 +99,25 @@ class FeatureDraft(nn.Module):
                 self.fuse.weight[:, -width:].copy_(torch.eye(width))
 
     fused = False  # see fuse_attention
-    rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse_attention(self) -> None:
         """From now on the graph (`forward`) runs its layer on GroupQueryAttention, KV
         layout "bhsd-inplace" (export/graph/), rotating q and k in the kernel where it can
         (graph/families.py `kernel_rotates`); training is unchanged."""
         self.fused = True
-        if kernel_rotates(self.config):
-            self.rotary_cache = gqa_rotary_cache(self.rotary_emb, self.config)
+        self.__dict__.pop("_family", None)
+
+    def family(self) -> Decoder:
+        """The target family's export module (graph/decoder.py, its hooks in the family's
+        file) over this draft's one layer: the graph runs the layer as the target's graph
+        runs each of its own. Made when first asked for, and kept out of the module's
+        submodules (its layer is `self.layer`, which the draft folder stores once)."""
+        family = self.__dict__.get("_family")
+        if family is None:
+            family = DECODERS[self.config.model_type](
+                _OneLayerModel(self), attention="fused" if self.fused else "portable")
+            self.__dict__["_family"] = family
+        return family
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a draft folder stores: fc, the layer, and fuse if it reads earlier layers."""
@@ -123,26 +136,51 @@ class FeatureDraft(nn.Module):
         cos, sin = self.rotary_emb(x, positions)
         return self.layer(x, position_ids=positions, position_embeddings=(cos, sin))
 
+    @property
+    def logit_scale(self) -> float:
+        """What the target's head multiplies its logits by: 1, or 1 / `logits_scaling`
+        (Granite)."""
+        return 1.0 / getattr(self.config, "logits_scaling", 1.0)
+
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits over the head tokens only, [..., head_tokens]."""
-        return features @ self.lm_head.weight[self.specedge_head_ids].T
+        """Logits over the head tokens only, [..., head_tokens], as the target's head
+        computes them from features."""
+        logits = features @ self.lm_head.weight[self.specedge_head_ids].T
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
 
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, past_k, past_v,
                 features):
         """The graph: one call over T pairs with the bundle's KV-cache contract."""
+        family = self.family()
         x = self._pairs(input_ids, features)
-        rotary = None
-        if self.rotary_cache is None:
-            rotary = rotary_tables(*self.rotary_emb(x, position_ids),
-                                   self.layer.self_attn.head_dim)
-        if self.fused:
-            inputs = FusedInputs(gqa_lengths(past_length, input_ids), self.rotary_cache,
-                                 None if rotary else position_ids, rotary=rotary)
-            x, k, v = llama_layer_fused(self.layer, x, past_k, past_v, inputs)
-        else:
-            bias = llama_bias(self.config, past_length, past_k, input_ids, x.dtype)
-            x, k, v = llama_layer(self.layer, x, rotary, past_k, past_v, bias)
-        return lm_head(self, last_positions(x, logits_to_keep)), k, v, x
+        inputs = family.layer_inputs(x, input_ids, position_ids, past_length,
+                                     (past_k, past_v))[0]
+        x, k, v = family.layer_step(self.layer, x, past_k, past_v, inputs)
+        logits = lm_head(self, last_positions(x, logits_to_keep))
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        return logits, k, v, x
+
+
+class _OneLayerModel(nn.Module):
+    """What a family's export module reads of a causal LM (graph/decoder.py: its config, and
+    its model's layers, rotary embedding and embeddings), over a feature draft's one layer."""
+
+    def __init__(self, draft: FeatureDraft):
+        super().__init__()
+        self.config = draft.config
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([draft.layer])
+        self.model.rotary_emb = draft.rotary_emb
+        self.model.embed_tokens = draft.embed_tokens
+
+
+def check_feature_target(config) -> None:
+    """ValueError unless a feature draft can be made for this target's family."""
+    if config.model_type not in FEATURE_DRAFT_FAMILIES:
+        raise ValueError(f"feature drafts take a target of the families "
+                         f"{', '.join(FEATURE_DRAFT_FAMILIES)}, not {config.model_type!r}: "
+                         "distill a model draft (--kind model) for it")
 
 
 class _Enough(Exception):

@@ -15,6 +15,7 @@ from torch.onnx.errors import OnnxExporterWarning
 
 from specedge.export.graph.decoder import Decoder
 from specedge.export.graph.families import (
+    FEATURE_DRAFT_FAMILIES,
     GEMMA_FAMILY,
     GPT2_FAMILY,
     LLAMA_FAMILY,
@@ -41,7 +42,7 @@ BATCHED_OPSET = 24
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 9
+GRAPH_REVISION = 10
 # The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
 # family's hooks.
 DECODERS: dict[str, type[Decoder]] = {
@@ -55,13 +56,13 @@ def wrap(model: nn.Module, features: bool | nn.Module = False,
     """The export module for a Hugging Face causal LM, or ValueError if unsupported.
 
     `features`: the graph also outputs the target's features for a feature draft (True,
-    or the feature draft: LlamaFamilyDecoder).
+    or the feature draft; families.py `FEATURE_DRAFT_FAMILIES`).
     `attention`: the attention's form, "portable", "fused" or "batched" (families.py
     `attention_form` says which models can have which)."""
     model_type = model.config.model_type
-    if features and model_type not in LLAMA_FAMILY:
-        raise ValueError(f"feature drafts need a Llama, Mistral or Qwen2 target, not "
-                         f"{model_type!r}")
+    if features and model_type not in FEATURE_DRAFT_FAMILIES:
+        raise ValueError(f"feature drafts take a target of the families "
+                         f"{', '.join(FEATURE_DRAFT_FAMILIES)}, not {model_type!r}")
     if attention != "portable":
         attention_form(attention, "", model.config)  # raises for models it cannot have
     if model_type in DECODERS:
@@ -122,7 +123,7 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     `share_head`: for tied embeddings, let the LM head read the embedding table (no second
     copy). Quantized exports keep the copy, so that the head gets quantized as a MatMul.
     `features`: a target that also outputs its features (True, or the feature draft that
-    reads them: LlamaFamilyDecoder). A feature draft (export/drafts/feature.py) is its own
+    reads them). A feature draft (export/drafts/feature.py) is its own
     export module and always has feature I/O.
     `attention`: the attention's form (`wrap`); "fused" and "batched" have the KV layout
     "bhsd-inplace" (a feature draft is switched to "fused" with its `fuse_attention`).
