@@ -403,3 +403,29 @@ def test_draft_agreement_script_scores_its_first_step_as_the_first_draft_token(
     steps = draft_agreement.step_agreement(draft, runs, 3)
     assert len(steps) == 3 and all(0 <= s <= 1 for s in steps)
     assert steps[0] == pytest.approx(first, abs=1e-3)
+
+
+def test_draft_report_script_prints_both_prompt_sets(feature_draft, tiny_checkpoints,
+                                                      tmp_path):
+    """scripts/experiments/draft_report.py end to end on the tiny draft: one row per prompt
+    set and configuration, the teacher-forced steps beside the runtime's figures."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "scripts" / "experiments" / "draft_report.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--draft", str(feature_draft[0]), "--model",
+         str(tiny_checkpoints["llama"]), "--precision", "fp32", "--max-new-tokens", "8",
+         "--limit", "1", "--ks", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["sets"]) == {"bench", "examples"}
+    for part in report["sets"].values():
+        assert part["prompts"] == 1 and len(part["step_agreement"]) == 3
+        assert {"draft K=1", "draft auto", "lookup+model auto"} <= set(part["runtime"])
+        for row in part["runtime"].values():
+            assert row["tokens_per_target_call"] >= 1 and row["speedup"] > 0
+    assert done.stdout.count("| bench (1) |") == len(report["sets"]["bench"]["runtime"])
