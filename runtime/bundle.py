@@ -233,6 +233,12 @@ def load_bundle(root: str | Path) -> Bundle:
     """Read and validate a bundle folder; raise BundleError saying what to do if it is bad."""
     root = Path(root)
     manifest_path = root / MANIFEST
+    if not root.exists():
+        raise BundleError(f"the bundle folder {root} does not exist: pass a folder made by "
+                          "`specedge export`, or export one there")
+    if not root.is_dir():
+        raise BundleError(f"{root} is a file, not a bundle folder: pass the folder made by "
+                          "`specedge export` that holds it")
     if not manifest_path.is_file():
         raise BundleError(f"no {MANIFEST} in {root}: pass a folder made by `specedge export`")
     try:

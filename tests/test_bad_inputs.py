@@ -307,10 +307,17 @@ def test_damaged_bundle_is_a_bundle_error(tiny_bundle, tmp_path, damage):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("path", ["does-not-exist", "bundle/target.onnx"])
-def test_bundle_path_that_is_not_a_bundle_folder(tiny_bundle, tmp_path, path):
+@pytest.mark.parametrize("path, says", [
+    ("does-not-exist", r"bundle folder .*does-not-exist does not exist"),
+    ("bundle/target.onnx", r"target\.onnx is a file, not a bundle folder"),
+    ("bundle/.", None)])
+def test_bundle_path_that_is_not_a_bundle_folder(tiny_bundle, tmp_path, path, says):
+    """A missing folder and a file are named as such; a folder without a manifest says so."""
     copy_bundle(tiny_bundle, tmp_path)
-    with pytest.raises(BundleError, match=r"no manifest\.json in .*specedge export"):
+    if says is None:
+        (tmp_path / "bundle" / "manifest.json").unlink()
+        says = r"no manifest\.json in .*specedge export"
+    with pytest.raises(BundleError, match=says):
         Generator.from_bundle(tmp_path / path)
 
 

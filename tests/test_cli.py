@@ -283,7 +283,7 @@ def _truncate_target(bundle: Path) -> None:
 
 
 BAD_BUNDLES = {
-    "missing-folder": (lambda b: shutil.rmtree(b), ["no manifest.json"]),
+    "missing-folder": (lambda b: shutil.rmtree(b), ["bundle folder", "does not exist"]),
     "missing-manifest": (lambda b: (b / MANIFEST).unlink(), ["no manifest.json"]),
     "manifest-not-json": (lambda b: (b / MANIFEST).write_text("not json"), ["not valid JSON"]),
     "newer-format": (lambda b: _edit_manifest(b, lambda m: m.update(format_version=99)),

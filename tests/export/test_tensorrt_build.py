@@ -633,6 +633,9 @@ def test_cli_build_bad_arguments(capsys, bundle, no_tensorrt, args, words):
 
 def test_cli_build_bad_bundle(capsys, tmp_path, no_tensorrt):
     code, _, err = call_main(capsys, "build", "--bundle", tmp_path / "nothing")
+    assert_one_line_error(code, err, "nothing does not exist")
+    (tmp_path / "empty").mkdir()
+    code, _, err = call_main(capsys, "build", "--bundle", tmp_path / "empty")
     assert_one_line_error(code, err, "no manifest.json")
     code, _, err = call_main(capsys, "build")
     assert_one_line_error(code, err, "--bundle")
