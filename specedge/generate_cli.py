@@ -69,11 +69,13 @@ def _check_compare(args: argparse.Namespace, config) -> None:
         raise ValueError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
 
 
-def _compare(gen, ids: list[int], config, first, rounds: int) -> tuple[list[float], object]:
+def _compare(gen, ids: list[int], config, first, rounds: int
+             ) -> tuple[list[float], object, list[tuple[float, float]]]:
     """Speedups over `rounds` rounds in which speculative and plain decoding take turns (the
     order alternating round by round; the first round's speculative run is `first`, already
-    shown); returns them and the last plain result."""
-    speedups = []
+    shown); returns them, the last plain result and each round's decode tokens a second
+    (speculative, plain)."""
+    speedups, rates = [], []
     for r in range(rounds):
         runs = {}
         for speculative in ((True, False) if r % 2 == 0 else (False, True)):
@@ -83,7 +85,16 @@ def _compare(gen, ids: list[int], config, first, rounds: int) -> tuple[list[floa
                 runs[speculative] = gen.generate(prompt_ids=ids, config=config,
                                                  use_draft=speculative)
         speedups.append(_speedup(runs[True].stats, runs[False].stats))
-    return speedups, runs[False]
+        rates.append((runs[True].stats["decode_tokens_per_second"],
+                      runs[False].stats["decode_tokens_per_second"]))
+    return speedups, runs[False], rates
+
+
+def _rates(rates: list[tuple[float, float]]) -> str:
+    """The decode speeds a --compare ratio is made of: each mode's median over the rounds."""
+    spec, plain = (statistics.median(r[i] for r in rates) for i in (0, 1))
+    over = "one round" if len(rates) == 1 else f"medians of {len(rates)} rounds"
+    return f"decode {spec:.1f} tok/s speculative, {plain:.1f} plain ({over})"
 
 
 def _spread(speedups: list[float]) -> str:
@@ -155,7 +166,7 @@ def run_generate(args: argparse.Namespace) -> None:
             result = gen.generate(prompt_ids=ids, config=config)
             out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats}
             if args.compare:
-                speedups, plain = _compare(gen, ids, config, result, args.compare_rounds)
+                speedups, plain, _ = _compare(gen, ids, config, result, args.compare_rounds)
                 # Greedy output must match plain decoding's; sampled output only in
                 # distribution, so a sampled run has no token verdict (null).
                 out |= {"plain_stats": plain.stats, "plain_token_ids": plain.token_ids,
@@ -171,8 +182,8 @@ def run_generate(args: argparse.Namespace) -> None:
         stats = spec.stats
         print(summary(stats), file=sys.stderr)
         if args.compare:
-            speedups, plain = _compare(gen, ids, config, spec, args.compare_rounds)
-            print(f"plain decoding: {plain.stats['decode_tokens_per_second']:.1f} tok/s; "
-                  f"speculative / plain = {_spread(speedups)}"
+            speedups, plain, rates = _compare(gen, ids, config, spec, args.compare_rounds)
+            print(f"against plain decoding: {_rates(rates)}; speculative / plain = "
+                  f"{_spread(speedups)}"
                   + (_same_tokens(spec.token_ids, plain.token_ids, gen.bundle.manifest)
                      if greedy else ""), file=sys.stderr)
