@@ -186,12 +186,20 @@ def test_doctor_on_this_machine_with_a_bundle(tiny_bundle):
 
 
 def test_doctor_errors(tmp_path, monkeypatch, tiny_bundle, capsys):
+    """A bundle that cannot be read: the device's report still, then the bundle's problem
+    (in the report and as one line on stderr), exit status 2."""
     done = _doctor("--bundle", str(tmp_path / "missing"))
-    assert done.returncode == 2 and "is not a folder" in done.stderr
+    assert done.returncode == 2 and "missing does not exist" in done.stderr
+    assert "Backends" in done.stdout and "CPU" in done.stdout
+    assert "cannot be read: the bundle folder" in done.stdout
     (tmp_path / "manifest.json").write_text("{")
     done = _doctor("--bundle", str(tmp_path))
     assert done.returncode == 2 and "re-export the bundle" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert "Backends" in done.stdout and "Traceback" not in done.stderr
+    done = _doctor("--json", "--bundle", str(tmp_path))
+    report = json.loads(done.stdout)
+    assert done.returncode == 2 and "re-export the bundle" in report["bundle"]["error"]
+    assert report["backends"] and report["bundle"]["backends"] == []
     # A bundle that loads on no backend here: exit status 1, each backend's reason shown.
     monkeypatch.setattr(software, "backend_statuses",
                         lambda: [BackendStatus("ort-cpu", False, "onnxruntime is broken")])

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from specedge.doctor.report import gather, render
-from specedge.runtime.errors import BundleError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,16 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; 1 when --bundle loads on no backend here, else 0."""
-    if args.bundle is not None and not args.bundle.is_dir():
-        print(f"specedge doctor: error: --bundle {args.bundle} is not a folder: give a "
-              "bundle written by `specedge export`", file=sys.stderr)
-        return 2
-    try:
-        report = gather(args.bundle, args.threads)
-    except BundleError as e:
-        print(f"specedge doctor: error: {e}", file=sys.stderr)
-        return 2
+    """Print the report; 2 when --bundle cannot be read (the device's report first, then
+    the bundle's error, also as one line on stderr), 1 when it loads on no backend here,
+    else 0."""
+    report = gather(args.bundle, args.threads)
     print(json.dumps(report, indent=2) if args.json else render(report))
     bundle = report["bundle"]
+    if bundle and bundle["error"]:
+        print(f"specedge doctor: error: {bundle['error']}", file=sys.stderr)
+        return 2
     return 1 if bundle and not any(r["loads"] for r in bundle["backends"]) else 0

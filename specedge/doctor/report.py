@@ -10,12 +10,18 @@ from specedge.doctor import software
 from specedge.doctor.bundle_check import advise, check_bundle
 from specedge.doctor.machine import read_machine
 from specedge.runtime.bundle import load_bundle
+from specedge.runtime.errors import BundleError
 
 
 def gather(bundle: Path | None = None, threads: int | None = None) -> dict:
-    """Everything the report says about this device (and `bundle` on it); BundleError for
-    a bundle that cannot be read."""
-    loaded = load_bundle(bundle) if bundle is not None else None
+    """Everything the report says about this device (and `bundle` on it). A bundle that
+    cannot be read is reported with its error (`bundle.error`), after the device."""
+    loaded, error = None, None
+    if bundle is not None:
+        try:
+            loaded = load_bundle(bundle)
+        except BundleError as e:
+            error = str(e)
     machine = read_machine()
     statuses = software.backend_statuses()
     runs = check_bundle(loaded, statuses, threads) if loaded is not None else None
@@ -27,8 +33,8 @@ def gather(bundle: Path | None = None, threads: int | None = None) -> dict:
         "onnxruntime_providers": software.onnxruntime_providers(),
         "cuda": software.cuda_facts(),
         "backends": [asdict(s) for s in statuses],
-        "bundle": None if bundle is None else {"path": str(bundle),
-                                               "backends": [asdict(r) for r in runs]},
+        "bundle": None if bundle is None else {"path": str(bundle), "error": error,
+                                               "backends": [asdict(r) for r in runs or []]},
         "advice": advice.as_dict(),
     }
 
@@ -72,6 +78,8 @@ def render(report: dict) -> str:
         lines.append(f"  {b['name']:<{width}}  {'runs' if b['runs'] else 'no  '}  {b['why']}")
     if report["bundle"]:
         lines += ["", f"Bundle {report['bundle']['path']}"]
+        if report["bundle"]["error"]:
+            lines.append(f"  cannot be read: {report['bundle']['error']}")
         for r in report["bundle"]["backends"]:
             if r["loads"]:
                 step = "no step timed" if r["step_ms"] is None else \
