@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '"prompt": ...} or {"category": ..., "messages": [...]} (default: '
                         "the shipped prompt set)")
     p.add_argument("--quick", action="store_true",
-                   help="plain decoding against the runtime's default settings only, "
-                        "without the system comparison (a few minutes on 32 prompts)")
+                   help="time two configurations only, plain decoding and the runtime's "
+                        "defaults, each prompt once, without the other systems; its time "
+                        "grows with the prompts (--limit N takes the first N)")
     p.add_argument("--limit", type=int, help="use only the first N prompts")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4],
                    help="fixed K values to try, the first also when sampling (default 1 2 3 4)")

@@ -11,10 +11,18 @@
 # just what they name (add `-m cluster tests/cluster` to run the cluster tests alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,peers,dev]"
+# The extras are installed again only when pyproject.toml changed since (as scripts/demo.sh).
+STAMP=.venv/.specedge-test-installed   # pyproject.toml's hash when the extras were installed
+WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
+    . .venv/bin/activate
+else
+    python3 -m venv .venv
+    . .venv/bin/activate
+    python -m pip install --quiet --upgrade pip
+    python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,peers,dev]"
+    echo "$WANT" > "$STAMP"
+fi
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null

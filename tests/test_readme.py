@@ -69,3 +69,38 @@ def test_links_to_files_and_sections_resolve(page):
         assert file.exists(), f"{page.name}: {target} -> no {file}"
         if anchor and file.suffix == ".md":
             assert anchor in _anchors(file.read_text()), f"{page.name}: no section #{anchor}"
+
+
+@pytest.mark.parametrize("script", ["test.sh", "demo.sh"])
+def test_the_two_commands_install_again_only_when_pyproject_changes(script, tmp_path):
+    """The README's two commands run their install block (scripts/*.sh, from `STAMP=` to its
+    `fi`) on every call; it reaches pip only when the environment is missing or pyproject.toml
+    changed since it was installed. Run here with a stand-in `python` that logs its calls."""
+    text = (ROOT / "scripts" / script).read_text()
+    block = text[text.index("STAMP="):text.index("\nfi\n", text.index("STAMP=")) + 4]
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    log = tmp_path / "calls.log"
+    stand_in = f'#!/bin/sh\necho "$@" >> {log}\n'
+    (tmp_path / "bin").mkdir()
+    for name in ("python", "python3"):
+        (tmp_path / "bin" / name).write_text(stand_in)
+        (tmp_path / "bin" / name).chmod(0o755)
+    # `python3 -m venv .venv` through the stand-in makes no folder: make what it would.
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "activate").write_text("")
+    (venv / "python").write_text(stand_in)
+    (venv / "python").chmod(0o755)
+    (venv / "specedge").write_text(stand_in)
+    (venv / "specedge").chmod(0o755)
+
+    def run() -> str:
+        log.write_text("")
+        subprocess.run(["bash", "-c", f"set -euo pipefail\n{block}"], cwd=tmp_path, check=True,
+                       env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+        return log.read_text()
+
+    assert "pip install" in run()  # no stamp yet
+    assert "pip install" not in run()  # the same pyproject.toml
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'y'\n")
+    assert "pip install" in run()
