@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install specedge, export SmolLM2-135M-Instruct (int4: its weights come on GGUF's Q4_1
-# grid, which int4 holds exactly; docs/export.md) with the distilled feature draft in
+# Install specedge (with the serve extra, for `specedge serve` next), export
+# SmolLM2-135M-Instruct (int4: its weights come on GGUF's Q4_1 grid, which int4 holds
+# exactly; docs/export.md) with the distilled feature draft in
 # drafts/ (once; cached; the export ends by measuring the draft on 8 prompts, where auto K
 # starts from), and answer a chat prompt with speculative decoding on ONNX Runtime CPU,
 # compared with plain decoding: with the defaults (lookup where the text repeats itself, the
@@ -17,7 +18,7 @@ else
     python3 -m venv .venv
     . .venv/bin/activate
     python -m pip install --quiet --upgrade pip
-    python -m pip install --quiet -e ".[export]"
+    python -m pip install --quiet -e ".[export,serve]"  # serve: the README's next step
     echo "$WANT" > "$STAMP"
 fi
 BUNDLE=bundles/smollm2-135m-feature-int4

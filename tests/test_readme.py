@@ -104,3 +104,12 @@ def test_the_two_commands_install_again_only_when_pyproject_changes(script, tmp_
     assert "pip install" not in run()  # the same pyproject.toml
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     assert "pip install" in run()
+
+
+def test_the_demos_environment_runs_what_the_readme_shows_next():
+    """After the demo, the README's next steps are `specedge serve` and an OpenAI client:
+    the demo installs the serve extra, and the README names the client's package."""
+    extras = re.search(r'pip install --quiet -e "\.\[([a-z,]+)\]"', DEMO).group(1).split(",")
+    assert {"export", "serve"} <= set(extras)
+    serve = README[README.index("## Serve it"):README.index("from openai import OpenAI")]
+    assert "pip install openai" in serve
