@@ -218,8 +218,9 @@ class ScatterAttention(torch.autograd.Function):
 
     Inputs: q [B, H, T, D] and k [B, Hkv, T, D] rotated, v [B, Hkv, T, D], unscaled; the
     cache buffers [B, Hkv, C, D]; past_length [B] (int64) and the call's mask [B, 1, G R, C]
-    (`scatter_inputs`); `heads` and `kv_heads` (H, Hkv) as Python ints; `scale`; `cap`:
-    Gemma 2's soft-capping of the scores, or 0.
+    (`scatter_inputs`, which holds the sliding window if any); `heads` and `kv_heads` (H, Hkv)
+    as Python ints; `scale`; `cap`: Gemma 2's soft-capping of the scores, or 0; `window`:
+    the layer's sliding window, or 0 (the torch path's; the graph's is in the mask).
     Outputs: attention [B, H, T, D] and the two buffers with each row's T new rows at
     [past_length, past_length + T). The runtime binds each output to its input buffer, so
     that TensorScatter writes in place (it compares the addresses, as GroupQueryAttention
@@ -239,16 +240,17 @@ class ScatterAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, past_k, past_v, past_length, mask, heads, kv_heads, scale,
-                cap=0.0):
+                cap=0.0, window=0):
         t, d = q.shape[2], q.shape[3]
-        bias = attention_bias(past_length, past_k.shape[2], t, heads // kv_heads, q.dtype)
+        bias = attention_bias(past_length, past_k.shape[2], t, heads // kv_heads, q.dtype,
+                              window or None)
         out = cached_attention(q * scale, k, v, past_k, past_v, bias, (heads, kv_heads, d),
                                cap or None)
         return split_heads(out, heads, d), *written_rows(past_k, past_v, k, v, past_length)
 
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, past_length, mask, heads, kv_heads, scale,
-                 cap=0.0):
+                 cap=0.0, window=0):
         present_k = g.op("TensorScatter", past_k, k, past_length, axis_i=2)
         present_v = g.op("TensorScatter", past_v, v, past_length, axis_i=2)
         extra = {"softcap_f": float(cap)} if cap else {}
@@ -274,17 +276,23 @@ class ScatterAttention(torch.autograd.Function):
 
 
 def scatter_inputs(past_length: torch.Tensor, input_ids: torch.Tensor,
-                   capacity: int | torch.Tensor, groups: int
+                   capacity: int | torch.Tensor, groups: int, window: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """ScatterAttention's (past_length [B], mask [B, 1, G R, C]), built once per call and
-    shared by every layer: the mask is true where a query row sees a cache row. Its rows
-    are the kernel's grouped query rows: G groups of R = T rows, query i of a row at
-    position past_length + i seeing the cache rows [0, past_length + i]; with G = 1, R =
-    T + 1, the first a copy of the first query seeing [0, past_length), whose output the
-    graph drops (ScatterAttention.symbolic)."""
+    shared by every layer with the same `window`: the mask is true where a query row sees a
+    cache row. Its rows are the kernel's grouped query rows: G groups of R = T rows, query i
+    of a row at position past_length + i seeing the cache rows [0, past_length + i]; with
+    G = 1, R = T + 1, the first a copy of the first query seeing [0, past_length), whose
+    output the graph drops (ScatterAttention.symbolic). `window`: a sliding window, each
+    query seeing only the last `window` rows up to its own (transformers' `kv_idx > q_idx -
+    window`, as `attention_bias`); the cache keeps every row, so a rollback stays a change of
+    length."""
     t = input_ids.shape[1]
     first = 1 if groups == 1 else 0
     query = torch.arange(t + first).repeat(groups)  # [G R]: each query's offset, per group
     ends = past_length.reshape(-1, 1, 1) + query.reshape(1, -1, 1) + (1 - first)  # [B, G R, 1]
-    mask = torch.arange(capacity).reshape(1, 1, -1) < ends  # [B, G R, C]
+    rows = torch.arange(capacity).reshape(1, 1, -1)
+    mask = rows < ends  # [B, G R, C]
+    if window:
+        mask = mask & (rows >= ends - window)
     return past_length, mask.unsqueeze(1)

@@ -87,7 +87,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tens
     if isinstance(inputs, FusedInputs) and inputs.batched:
         out, k_buffer, v_buffer = ScatterAttention.apply(
             q, k, v, past_k, past_v, *inputs.lengths, shape[0], shape[1], float(scale),
-            float(cap or 0.0))
+            float(cap or 0.0), int(inputs.window or 0))
         return merge_heads(out, shape[0] * shape[2]), k_buffer, v_buffer
     if isinstance(inputs, FusedInputs):
         return GroupQueryAttention.apply(
@@ -175,16 +175,22 @@ class Decoder(nn.Module):
                      past: tuple[torch.Tensor, ...]) -> list[PortableInputs | FusedInputs]:
         """What each layer's attention reads besides its own q, k and v, built once per call
         and shared by the layers."""
+        if self.fused and self.batched:
+            # A mask per distinct window, in layer order (batched attention's masks hold it).
+            lengths = {w: self.fused_lengths(input_ids, past_length, past, w)
+                       for w in dict.fromkeys(self.windows)}
+        elif self.fused:
+            # GroupQueryAttention takes the window as an attribute: one set for all layers.
+            lengths = dict.fromkeys(self.windows,
+                                    self.fused_lengths(input_ids, past_length, past))
         if self.fused and self.kernel_rotary:
-            lengths = self.fused_lengths(input_ids, past_length, past)
             rows = gqa_positions(self.model.model.rotary_emb, self.model.config, position_ids,
                                  past_length)
-            return [FusedInputs(lengths, self.rotary_cache, rows, w, None, self.batched)
+            return [FusedInputs(lengths[w], self.rotary_cache, rows, w, None, self.batched)
                     for w in self.windows]
         rotary = self.rotary(x, position_ids, past_length)
         if self.fused:
-            lengths = self.fused_lengths(input_ids, past_length, past)
-            return [FusedInputs(lengths, None, None, w, tables, self.batched)
+            return [FusedInputs(lengths[w], None, None, w, tables, self.batched)
                     for tables, w in zip(rotary, self.windows)]
         # One mask per distinct window, shared by the layers that have it (in layer order,
         # so that the graph is the same on every export).
@@ -193,10 +199,14 @@ class Decoder(nn.Module):
         return [PortableInputs(tables, biases[w]) for tables, w in zip(rotary, self.windows)]
 
     def fused_lengths(self, input_ids: torch.Tensor, past_length: torch.Tensor,
-                      past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """What in-place attention reads of the call's lengths, once for every layer."""
+                      past: tuple[torch.Tensor, ...], window: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What in-place attention reads of the call's lengths, once for the layers with
+        sliding window `window` (batched: in its mask; GroupQueryAttention's lengths do not
+        depend on it)."""
         if self.batched:
-            return scatter_inputs(past_length, input_ids, past[0].shape[2], self.groups)
+            return scatter_inputs(past_length, input_ids, past[0].shape[2], self.groups,
+                                  window)
         return gqa_lengths(past_length, input_ids)
 
     @classmethod

@@ -45,11 +45,6 @@ def attention_form(attention: str, precision: str, config) -> str:
         raise ValueError(f"--attention fused needs a head size that is a multiple of 8 "
                          f"(ONNX Runtime's GroupQueryAttention), not {head} "
                          f"({config.model_type!r}): export it with --attention portable")
-    windowed = config.model_type in GEMMA_FAMILY or any(layer_windows(config))
-    if attention == "batched" and windowed:
-        raise ValueError(f"--attention batched has no sliding windows, which "
-                         f"{config.model_type!r} uses: export it with --attention portable "
-                         f"for batched decoding")
     if attention in ("fused", "batched"):
         return attention
     fused = attention == "auto" and head % 8 == 0 and precision in ("int8", "int4")

@@ -93,15 +93,40 @@ def test_batched_bundle_needs_onnxruntime_1_31(batched_and_fused, monkeypatch):
         OrtCpuBackend(load_bundle(batched_and_fused[0]).target)
 
 
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3_text"])
+def test_sliding_windows_batch_and_stay_exact(arch, tmp_path):
+    """Sliding windows are a mask (graph/attention.py `scatter_inputs`): Phi-3 (a window in
+    every layer), Gemma 2 and Gemma 3 (windowed and full layers alternating, soft-capping)
+    pass --verify with batched attention, and prompts past the window decoded together
+    (greedy, plain and speculative) are each what that prompt gives alone."""
+    from tiny_models import GEMMA_WINDOW, PHI3_WINDOW, save_tiny_gemma
+
+    from specedge.runtime import GenerationConfig
+    from specedge.runtime.batch import BatchGenerator, BatchRequest
+
+    save = save_tiny_more if arch == "phi3" else save_tiny_gemma
+    checkpoint = save(tmp_path / arch, arch)
+    manifest = export_bundle(str(checkpoint), tmp_path / "b", draft_layers=1,
+                             attention="batched", verify=True)
+    assert manifest["verify"]["target"]["ok"] and manifest["verify"]["draft"]["ok"]
+    nodes = Counter(n.op_type for n in _graph(tmp_path / "b" / "target.onnx").graph.node)
+    assert nodes["Attention"] > 0 and nodes["GroupQueryAttention"] == 0
+    window = PHI3_WINDOW if arch == "phi3" else GEMMA_WINDOW
+    prompts = [[3 + (i * 7 + j) % 29 for j in range(window + 5 + 3 * i)] for i in range(3)]
+    gen = Generator.from_bundle(tmp_path / "b", threads=1)
+    configs = [dict(use_draft=False), dict(draft_tokens=2, drafter="model")]
+    alone = [gen.generate(prompt_ids=p, max_new_tokens=12, **c).token_ids
+             for p in prompts for c in configs]
+    together = BatchGenerator(gen, max_batch=6).generate(
+        [BatchRequest(prompt_ids=p, config=GenerationConfig(max_new_tokens=12, **c))
+         for p in prompts for c in configs])
+    assert [r.token_ids for r in together] == alone
+
+
 def test_batched_attention_is_refused_where_it_cannot_be(capsys, tiny_checkpoints, tmp_path):
-    """Sliding windows (ONNX's Attention has none), TensorRT engines, feature drafts: one
-    line each, saying what to export instead, and no bundle."""
+    """TensorRT engines, feature drafts: one line each, saying what to export instead, and
+    no bundle."""
     out = tmp_path / "bundle"
-    phi3 = save_tiny_more(tmp_path / "phi3", "phi3")  # a sliding window
-    code, stdout, err = call_main(capsys, "export", phi3, "--out", out, "--attention",
-                                  "batched")
-    assert_one_line_error(code, err, "no sliding windows", "--attention portable")
-    assert not out.exists()
     code, _, err = call_main(capsys, "export", tiny_checkpoints["llama-h16"], "--out", out,
                              "--attention", "batched", "--backend", "tensorrt")
     assert_one_line_error(code, err, "--backend tensorrt needs --attention portable")
