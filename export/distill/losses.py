@@ -161,28 +161,33 @@ def corpus_feature_loss(draft: FeatureDraft, batch: list[dict], steps: int
         layer_outputs = list(_padded(batch, "layer_features", width).split(hidden, dim=-1))
     features = target_features(fuse, layer_outputs, final)
     outs = unrolled_predictions(draft, ids, features, steps)
-    total, count = 0.0, 0
-    agree = [0] * steps
-    counted = [0] * steps
+    # The regression over every example's pairs r = 0 .. n - 2 (the padding left out).
+    lengths = torch.tensor([len(ex["features"]) for ex in batch])
+    pairs = torch.arange(width - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)  # [B, W - 1]
+    total = torch.nn.functional.smooth_l1_loss(
+        outs[0][:, :-1][pairs], features[:, 1:].detach()[pairs], reduction="sum") / hidden
+    # Every answer position of the batch at once: example b's answer token i is predicted
+    # by pair r = start - 1 + i, from the target's distribution at position start + i.
+    rows, answer = [], []
     for b, ex in enumerate(batch):
-        n, start, answer = len(ex["features"]), ex["start"], ex["answer"]
-        total = total + torch.nn.functional.smooth_l1_loss(
-            outs[0][b, :n - 1], features[b, 1:n].detach(), reduction="sum") / hidden
-        with torch.no_grad():  # the target's head on its features: answer i at start + i
-            target_logits = draft.head_logits(final[b, start:start + answer])
-        count += answer
-        for j, out in enumerate(outs):
-            # Pair r = start - 1 + i predicts answer i; step j needs r - j >= start - 1.
-            first = max(j, 1 - start)  # pair -1 does not exist
-            if first >= answer:
-                break
-            ce, hits = head_cross_entropy(
-                draft.head_logits(out[b, start - 1 + first:start - 1 + answer]),
-                target_logits[first:])
-            total = total + STEP_WEIGHT ** j * ce
-            agree[j] += hits
-            counted[j] += answer - first
-    return total / max(count, 1), [a / max(c, 1) for a, c in zip(agree, counted)]
+        rows.append(torch.full((ex["answer"],), b))
+        answer.append(torch.arange(ex["answer"]))
+    rows, answer = torch.cat(rows), torch.cat(answer)
+    start = torch.tensor([ex["start"] for ex in batch])[rows]
+    with torch.no_grad():  # the target's head on its features
+        target_logits = draft.head_logits(final[rows, start + answer])
+    agree, counted = [0] * steps, [0] * steps
+    for j, out in enumerate(outs):
+        # Step j needs r - j >= start - 1 (i >= j), and pair -1 does not exist.
+        keep = (answer >= j) & (start - 1 + answer >= 0)
+        if not keep.any():
+            break
+        ce, hits = head_cross_entropy(
+            draft.head_logits(out[rows[keep], (start - 1 + answer)[keep]]),
+            target_logits[keep])
+        total = total + STEP_WEIGHT ** j * ce
+        agree[j], counted[j] = hits, int(keep.sum())
+    return total / max(len(rows), 1), [a / max(c, 1) for a, c in zip(agree, counted)]
 
 
 def corpus_model_loss(draft, head_ids: torch.Tensor, batch: list[dict]

@@ -66,3 +66,44 @@ def test_unrolling_takes_one_step_or_more(draft):
     with pytest.raises(ValueError, match=">= 1"):
         unrolled_predictions(draft, torch.zeros(1, 3, dtype=torch.long),
                              torch.zeros(1, 3, draft.config.hidden_size), 0)
+
+
+def test_the_corpus_loss_is_the_sum_over_examples_and_steps(draft):
+    """losses.py `corpus_feature_loss`, all answer positions of a batch at once, against the
+    sum written example by example: step 0's smooth L1 over the pairs, and each step's
+    cross-entropy against the target's head over its answer positions, weighted 0.8 ** j."""
+    from specedge.export.distill.losses import (
+        STEP_WEIGHT,
+        corpus_feature_loss,
+        head_cross_entropy,
+    )
+
+    torch.manual_seed(3)
+    hidden = draft.config.hidden_size
+    batch = []
+    for n, start in ((12, 4), (9, 1), (15, 0)):  # start 0: a one-token prompt
+        batch.append({"ids": torch.randint(3, 34, (n + 1,), dtype=torch.int32),
+                      "start": start, "answer": n - start,
+                      "features": torch.randn(n, hidden).half()})
+    steps = 3
+    with torch.no_grad():
+        loss, agree = corpus_feature_loss(draft, batch, steps)
+        total, count, hits = 0.0, 0, [0] * steps
+        for ex in batch:
+            n, start, answer = len(ex["features"]), ex["start"], ex["answer"]
+            f = ex["features"].float().unsqueeze(0)
+            outs = unrolled_predictions(draft, ex["ids"][1:n + 1].long().unsqueeze(0), f, steps)
+            total += torch.nn.functional.smooth_l1_loss(outs[0][0, :n - 1], f[0, 1:],
+                                                        reduction="sum") / hidden
+            target = draft.head_logits(f[0, start:start + answer])
+            count += answer
+            for j in range(steps):
+                first = max(j, 1 - start)
+                ce, h = head_cross_entropy(
+                    draft.head_logits(outs[j][0, start - 1 + first:start - 1 + answer]),
+                    target[first:])
+                total += STEP_WEIGHT ** j * ce
+                hits[j] += h
+    assert loss.item() == pytest.approx(total.item() / count, rel=1e-4)
+    assert agree[0] == pytest.approx(hits[0] / sum(ex["answer"] - max(0, 1 - ex["start"])
+                                                   for ex in batch))
