@@ -80,7 +80,9 @@ def origin_allowed(origin: str | None, host: str | None, allowed: Sequence[str])
     to), or one of `allowed` (`scheme://host[:port]`, or `*`)."""
     if origin is None:
         return True
-    if "*" in allowed or origin.rstrip("/") in [a.rstrip("/") for a in allowed]:
+    # An origin is a scheme, a host and a port: case-insensitive throughout (RFC 6454).
+    if "*" in allowed or origin.rstrip("/").lower() in [a.rstrip("/").lower()
+                                                         for a in allowed]:
         return True
     parts = urlsplit(origin)
     return bool(host) and parts.scheme in ("http", "https") and \

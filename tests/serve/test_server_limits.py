@@ -182,6 +182,51 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(limited_server):
             s.close()
 
 
+def test_the_header_timeout_starts_again_for_each_request_of_a_connection(limited_server):
+    """A kept-alive connection's first request is answered; its second, sent a header byte
+    every 0.2 s, is cut off with 408 after the 1 s header timeout, as a first one is."""
+    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += s.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)[1])
+        while len(body) < length:
+            body += s.recv(65536)
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+        start, closed = time.monotonic(), None
+        s.settimeout(0.2)
+        second = b""
+        while closed is None and time.monotonic() - start < 6:
+            try:
+                s.sendall(b"x")
+                chunk = s.recv(65536)
+                second += chunk
+                if not chunk:
+                    closed = time.monotonic() - start
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = time.monotonic() - start
+    assert second.startswith(b"HTTP/1.1 408"), second[:200]
+    assert closed is not None and 0.8 < closed < 3, closed
+
+
+def test_a_header_block_of_exactly_the_limit_is_read_and_one_byte_more_is_not(
+        limited_server):
+    """--max-header-bytes (16384 here) counts the request line and headers up to the blank
+    line: exactly that many is a request, one more is 431."""
+    def request(size: int) -> bytes:
+        head = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nx-pad: "
+        return head + b"a" * (size - len(head)) + b"\r\nconnection: close\r\n\r\n"
+
+    line = len(b"\r\nconnection: close")
+    assert raw(limited_server, request(16384 - line)).startswith(b"HTTP/1.1 200")
+    assert raw(limited_server, request(16385 - line)).startswith(b"HTTP/1.1 431")
+
+
 def test_a_body_sent_a_byte_a_second_gets_408(limited_server):
     """A body promised at 200 bytes and sent a byte at a time: 408 after the 1 s body
     timeout, in OpenAI's error shape."""
@@ -233,6 +278,27 @@ def test_connections_beyond_the_limit_get_503_and_the_rest_still_work(limited_se
             s.close()
     assert httpx.get(limited_server.url + "/health", timeout=10).status_code == 200
     assert "refusing a connection" in limited_server.output()
+
+
+def test_the_connection_limit_is_exact(tiny_bundle, tmp_path):
+    """--max-connections 4 on a server no earlier test used: with 3 held open, a 4th is
+    taken (and, silent, cut off by the 3 s header timeout: 408) and a 5th gets 503."""
+    with run_server(tiny_bundle, tmp_path, "--max-connections", "4",
+                    "--header-timeout", "3") as server:  # the held ones stay past the 5th
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        try:
+            time.sleep(0.3)
+            fourth = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            time.sleep(0.3)
+            fifth = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            answers = [read_all(s) for s in (fifth, fourth)]
+            for s in (fourth, fifth):
+                s.close()
+        finally:
+            for s in held:
+                s.close()
+    assert answers[0].startswith(b"HTTP/1.1 503"), answers
+    assert answers[1].startswith(b"HTTP/1.1 408"), answers
 
 
 def test_a_client_leaving_mid_body_logs_no_error(limited_server):
@@ -320,6 +386,13 @@ def test_dns_rebinding_host_names_are_refused(limited_server, host, status):
 
 def test_host_and_origin_rules():
     own = {"localhost", "jetson", "jetson.local"}
+    # Host names are case-insensitive (RFC 9110 4.2.3): a browser or a client may send any.
+    assert host_allowed("LOCALHOST:8000", (), own) and host_allowed("Jetson.Local", (), own)
+    assert host_allowed("API.Example.NET", (".example.net",), own)
+    assert host_allowed("api.example.net", (".Example.Net",), own)
+    assert not host_allowed("Jetson.Local.Evil.Example", (), own)
+    assert origin_allowed("HTTP://127.0.0.1:8000", "127.0.0.1:8000", ())
+    assert origin_allowed("https://App.Example", "x", ("https://app.example",))
     assert host_allowed("jetson.local:8000", (), own) and host_allowed("[fe80::1]:80", (), own)
     assert host_allowed("10.0.0.7", (), own) and host_allowed(None, (), own)
     assert not host_allowed("jetson.local.evil.example", (), own)
