@@ -587,6 +587,34 @@ def test_stop_strings_and_eos_end_one_sequence_only(gen):
     assert len(batch[1].token_ids) == 30
 
 
+def test_a_sequence_that_meets_eos_ends_there_and_its_companion_runs_on(portable_bundles,
+                                                                         tmp_path):
+    """The bundle's EOS made a token that one prompt's greedy answer reaches at its 6th
+    token: in a batch that sequence ends there with stop reason "eos" and its tokens alone;
+    its companion, which would go on past that token, runs to its own end."""
+    import json
+    import shutil
+
+    plain = Generator.from_bundle(portable_bundles["fp32"])
+    answer = plain.generate(PROMPTS[0], raw=True, max_new_tokens=20, use_draft=False)
+    eos = answer.token_ids[5]
+    bundle = tmp_path / "b"
+    shutil.copytree(portable_bundles["fp32"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["tokenizer"]["eos_token_ids"] = [eos]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    gen = Generator.from_bundle(bundle)
+    config = GenerationConfig(max_new_tokens=20, drafter="model", draft_tokens=2)
+    alone = [gen.generate(p, raw=True, config=config) for p in PROMPTS[:2]]
+    assert alone[0].stop_reason == "eos" and alone[0].token_ids[-1] == eos
+    assert len(alone[0].token_ids) == answer.token_ids.index(eos) + 1
+    assert alone[1].stop_reason != "eos" and len(alone[1].token_ids) == 20
+    batch = BatchGenerator(gen, 2).generate([BatchRequest(prompt=p, raw=True, config=config)
+                                             for p in PROMPTS[:2]])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert [r.stop_reason for r in batch] == [r.stop_reason for r in alone]
+
+
 def _batched_first_tokens(gen, n: int, seed0: int, count: int) -> Counter:
     """Counts of the first `count` tokens of n sampled sequences (seeds seed0 ..), decoded
     in batches of 4: two of them and two companions (one greedy with prompt lookup, one

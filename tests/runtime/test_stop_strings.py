@@ -63,3 +63,20 @@ def test_without_stop_strings_every_piece_is_shown_at_once():
     holdback = StopStringHoldback([])
     assert [holdback.feed(p) for p in ["a", "bc", ""]] == ["a", "bc", ""]
     assert holdback.rest() == "" and holdback.text == "abc"
+
+
+def test_exactly_the_last_three_characters_wait_for_a_four_character_stop_string():
+    """One character a piece: each is shown once three more have come (len("STOP") - 1),
+    not one piece sooner or later."""
+    holdback = StopStringHoldback(["STOP"])
+    assert [holdback.feed(c) for c in "abcdef"] == ["", "", "", "a", "b", "c"]
+    assert holdback.rest() == "def"
+
+
+@pytest.mark.parametrize("pieces", [["xxSTO", "P"], ["x", "x", "S", "T", "O", "P"],
+                                    ["xxS", "TOP"]])
+def test_a_stop_string_that_the_new_piece_completes_is_found_at_its_earliest_start(pieces):
+    """The new piece can complete a stop string that began len("STOP") - 1 characters
+    before it: the search must start at least that far back."""
+    out, text, stopped = shown(["STOP"], pieces)
+    assert stopped and text == "xx" and "".join(out) == "xx"
