@@ -23,8 +23,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,8 +36,6 @@ from starlette.routing import Route
 
 from specedge.runtime.bundle import Bundle
 from specedge.runtime.config import (
-    DEFAULT_DRAFTER,
-    DEFAULT_SPINNING,
     GenerationConfig,
     check_token_ids,
     short_repr,
@@ -60,6 +56,7 @@ from specedge.serve.protocol import (
     bad_request,
     parse,
 )
+from specedge.serve.settings import ServerSettings
 from specedge.serve.streaming import (
     DONE,
     KEEPALIVE,
@@ -72,39 +69,6 @@ from specedge.serve.streaming import (
 from specedge.serve.worker import Job, LocalEngine, QueueFull
 
 log = logging.getLogger("specedge.serve")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """`specedge serve`'s settings (its flags, in cli.py)."""
-
-    bundle: str
-    backend: str = "ort-cpu"
-    threads: int | None = None
-    spinning: bool | str = DEFAULT_SPINNING  # CPU threads spin while they wait: on, off, auto
-    model_name: str | None = None        # default: the bundle folder's name
-    api_key: str | None = None           # None: no key asked for
-    max_queue: int = 32                  # requests waiting beyond the running ones
-    max_batch: int = 1                   # requests generated at once (runtime/batch.py)
-    prompt_cache_mb: int = 256           # store of earlier prompts' rows (MiB)
-    request_timeout: float = 600.0       # seconds from arrival to the last token
-    shutdown_timeout: float = 30.0       # seconds SIGTERM waits for in-flight requests
-    draft_tokens: int | str | None = None  # a request's K unless it sets its own
-    drafter: str = DEFAULT_DRAFTER
-    draft_threshold: float = 0.0         # a request's draft_threshold unless it sets its own
-    max_body_bytes: int = 2 * 2**20
-    max_messages: int = 512
-    max_tokens: int = 4096               # the most tokens one request may ask for
-    keepalive: float = 15.0              # SSE comment after this many silent seconds
-    stall_timeout: float = 120.0         # /health: 503 when no token for this long
-    body_timeout: float = 30.0           # seconds for a request body to arrive
-    allowed_hosts: tuple[str, ...] = ()  # Host names beyond this machine's (origins.py)
-    allowed_origins: tuple[str, ...] = ()  # web pages on other sites that may call the API
-    ui: bool = True                      # GET / answers the chat page (page.py)
-
-    @property
-    def name(self) -> str:
-        return self.model_name or Path(self.bundle).resolve().name
 
 
 class PromptText(Protocol):

@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specedge.cli_common import (
     add_backend_flag,
@@ -23,13 +22,13 @@ from specedge.cli_common import (
     fail,
 )
 from specedge.runtime.bundle import Bundle, load_bundle
-from specedge.runtime.config import check_threads, check_threshold
 from specedge.runtime.errors import SpecEdgeError
-
-if TYPE_CHECKING:
-    from specedge.serve.app import ServerSettings
+from specedge.serve.settings import ConnectionLimits, ServerSettings
 
 log = logging.getLogger("specedge.serve")
+# The flags' defaults are the settings' own (settings.py).
+SERVER = ServerSettings
+LIMITS = ConnectionLimits
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,46 +49,49 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      "prefer --api-key-file or the variable)")
     key.add_argument("--api-key-file", type=Path, default=None,
                      help="read the API key from this file")
-    p.add_argument("--max-queue", type=int, default=32,
+    p.add_argument("--max-queue", type=int, default=SERVER.max_queue,
                    help="requests that may wait for the generator; more get 429 (default 32)")
-    p.add_argument("--max-batch", type=int, default=1,
+    p.add_argument("--max-batch", type=int, default=SERVER.max_batch,
                    help="requests generated at once, their steps sharing each model call "
                    "(continuous batching); more than 1 needs a bundle exported with "
                    "--attention batched (exact at every precision) or portable (default 1: "
                    "one at a time)")
-    p.add_argument("--prompt-cache-mb", type=int, default=256,
+    p.add_argument("--prompt-cache-mb", type=int, default=SERVER.prompt_cache_mb,
                    help="on a bundle exported with --attention batched: host memory (MiB) "
                    "for the K/V rows of earlier requests, so that a prompt that starts like "
                    "one of them (a system prompt, an earlier turn) computes only the rest "
                    "(default 256; 0: off)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float, default=SERVER.request_timeout,
                    help="seconds from a request's arrival to its last token (default 600)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=float, default=SERVER.shutdown_timeout,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
     add_draft_tokens_flag(p, "K for requests that do not set their own: an integer or 'auto' "
                           "(default: auto when greedy, 1 when sampling)")
     add_drafter_flag(p)
-    p.add_argument("--draft-threshold", type=float, default=0.0,
+    p.add_argument("--draft-threshold", type=float, default=SERVER.draft_threshold,
                    help="for requests that do not set their own: stop drafting when the "
                    "draft's probability for its token is below this (default 0: off)")
-    p.add_argument("--max-tokens", type=int, default=4096,
+    p.add_argument("--max-tokens", type=int, default=SERVER.max_tokens,
                    help="the most tokens one request may ask for (default 4096)")
-    p.add_argument("--max-messages", type=int, default=512,
+    p.add_argument("--max-messages", type=int, default=SERVER.max_messages,
                    help="the most messages one chat request may hold (default 512)")
-    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
+    p.add_argument("--max-body-bytes", type=int, default=SERVER.max_body_bytes,
                    help="the largest request body (default 2 MiB)")
-    p.add_argument("--keepalive", type=float, default=15.0,
+    p.add_argument("--keepalive", type=float, default=SERVER.keepalive,
                    help="seconds of silence before a stream sends a keep-alive comment "
                    "(default 15)")
     limits = p.add_argument_group("limits on clients (docs/serve.md#limits)")
-    limits.add_argument("--max-connections", type=int, default=256,
+    limits.add_argument("--max-connections", type=int,
+                        default=LIMITS.max_connections,
                         help="connections open at once; more get 503 and are closed "
                         "(default 256)")
-    limits.add_argument("--header-timeout", type=float, default=10.0,
+    limits.add_argument("--header-timeout", type=float,
+                        default=LIMITS.header_timeout,
                         help="seconds a client has to send a request's headers (default 10)")
-    limits.add_argument("--body-timeout", type=float, default=30.0,
+    limits.add_argument("--body-timeout", type=float, default=SERVER.body_timeout,
                         help="seconds a client has to send a request's body (default 30)")
-    limits.add_argument("--max-header-bytes", type=int, default=16384,
+    limits.add_argument("--max-header-bytes", type=int,
+                        default=LIMITS.max_header_bytes,
                         help="the most bytes of a request line and its headers (default "
                         "16384)")
     limits.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
@@ -144,36 +146,31 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("SPECEDGE_API_KEY") or None
 
 
-def _settings(args: argparse.Namespace):
-    from specedge.serve.app import ServerSettings
-
-    for name in ("max_queue", "max_batch", "max_tokens", "max_messages", "max_body_bytes",
-                 "max_connections", "max_header_bytes"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("request_timeout", "shutdown_timeout", "keepalive", "header_timeout",
-                 "body_timeout"):
-        if not getattr(args, name) > 0:
-            fail(f"--{name.replace('_', '-')} must be > 0 seconds")
-    if args.prompt_cache_mb < 0:
-        fail("--prompt-cache-mb must be >= 0")
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    """The flags as ServerSettings, which check their own ranges (settings.py)."""
     if not 0 <= args.port < 65536:
         fail(f"--port must be in [0, 65535], got {args.port}")
     with bad_input_exits_2():
-        check_threads(args.threads)
-        check_threshold(args.draft_threshold)
-    return ServerSettings(
-        bundle=args.bundle, backend=args.backend, threads=args.threads,
-        spinning=args.thread_spinning,
-        model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
-        max_batch=args.max_batch, prompt_cache_mb=args.prompt_cache_mb,
-        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-        draft_tokens=args.draft_tokens, drafter=args.drafter,
-        draft_threshold=args.draft_threshold, max_tokens=args.max_tokens,
-        max_messages=args.max_messages, max_body_bytes=args.max_body_bytes,
-        keepalive=args.keepalive, body_timeout=args.body_timeout,
-        allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
-        ui=args.ui)
+        return ServerSettings(
+            bundle=args.bundle, backend=args.backend, threads=args.threads,
+            spinning=args.thread_spinning,
+            model_name=args.model_name, api_key=_api_key(args), max_queue=args.max_queue,
+            max_batch=args.max_batch, prompt_cache_mb=args.prompt_cache_mb,
+            request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+            draft_tokens=args.draft_tokens, drafter=args.drafter,
+            draft_threshold=args.draft_threshold, max_tokens=args.max_tokens,
+            max_messages=args.max_messages, max_body_bytes=args.max_body_bytes,
+            keepalive=args.keepalive, body_timeout=args.body_timeout,
+            allowed_hosts=tuple(args.allowed_hosts),
+            allowed_origins=tuple(args.allowed_origins), ui=args.ui)
+
+
+def _limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The client-connection flags as ConnectionLimits, which check their own ranges."""
+    with bad_input_exits_2():
+        return ConnectionLimits(max_connections=args.max_connections,
+                                header_timeout=args.header_timeout,
+                                max_header_bytes=args.max_header_bytes)
 
 
 def _cluster(args: argparse.Namespace):
@@ -197,7 +194,7 @@ def _cluster(args: argparse.Namespace):
     return settings
 
 
-def check_max_batch(settings: ServerSettings, bundle: Bundle) -> None:
+def check_batchable(settings: ServerSettings, bundle: Bundle) -> None:
     """Exit 2, saying what to export, when --max-batch > 1 cannot run on this bundle and
     backend (locally, and on every cluster replica)."""
     if settings.max_batch <= 1:
@@ -227,7 +224,7 @@ def run_serve_on_ray(args: argparse.Namespace) -> None:
         bundle = load_bundle(settings.bundle)
     except SpecEdgeError as e:
         fail(str(e))
-    check_max_batch(settings, bundle)
+    check_batchable(settings, bundle)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
     stop = threading.Event()
@@ -258,28 +255,25 @@ def run_serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         fail(f"`specedge serve` needs the serve extra (missing {e.name}): "
              "pip install 'specedge[serve]'")
-    settings = _settings(args)
+    settings, limits = _settings(args), _limits(args)
     try:
         bundle = load_bundle(settings.bundle)  # a bad folder fails here, before the port opens
     except SpecEdgeError as e:
         fail(str(e))
-    check_max_batch(settings, bundle)
+    check_batchable(settings, bundle)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
     if settings.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who reaches this port can "
                     "use the model; set --api-key-file or $SPECEDGE_API_KEY", args.host)
     from specedge.runtime.generator import Generator
-    from specedge.serve.connections import ConnectionLimits, protocol_class
+    from specedge.serve.connections import protocol_class
     from specedge.serve.draining import DrainingServer
 
     server = Server(settings, lambda: Generator.from_bundle(
         bundle, backend=settings.backend, threads=settings.threads,
         spinning=settings.spinning))
     app = build_app(settings, server=server)
-    limits = ConnectionLimits(max_connections=args.max_connections,
-                              header_timeout=args.header_timeout,
-                              max_header_bytes=args.max_header_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, lifespan="on",
                             http=protocol_class(limits),

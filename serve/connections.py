@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from specedge.serve.settings import ConnectionLimits
 
 log = logging.getLogger("specedge.serve")
 
@@ -31,13 +32,6 @@ _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 
               b"connection: close\r\n\r\n")
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\n"
          b"connection: close\r\n\r\n")
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_connections: int = 256     # open at once; below the usual 1024 file descriptors
-    header_timeout: float = 10.0   # seconds for a request line and its headers
-    max_header_bytes: int = 16384  # a request line and its headers together
 
 
 def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:

@@ -70,6 +70,11 @@ def test_app_builder_arguments_take_the_fields_types(tiny_bundle):
         _settings(ServerSettings, {**args, "spinning": "yes"})
     with pytest.raises(ValueError, match="unknown arguments.*'replica'"):
         _settings(ServerSettings, {**args, "replica": "2"})
+    # The settings check their own ranges: a `serve deploy` config gets the flags' checks.
+    for name, value in (("max_queue", "0"), ("request_timeout", "-1"), ("threads", "0"),
+                        ("draft_threshold", "1.5"), ("prompt_cache_mb", "-1")):
+        with pytest.raises(ValueError, match=name):
+            app_builder({"bundle": str(tiny_bundle), name: value})
     with pytest.raises(ValueError, match="give the bundle"):
         app_builder({"replicas": "2"})
     with pytest.raises(ValueError, match="min .3. <= max .2."):

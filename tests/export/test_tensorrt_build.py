@@ -1260,13 +1260,13 @@ def test_serving_a_batch_on_engines_built_for_one_sequence_says_how_to_rebuild(b
     """`specedge serve --backend tensorrt --max-batch 2` checks the engines' rows before
     loading anything: exit 2, one line naming the rebuild."""
     from specedge.serve.app import ServerSettings
-    from specedge.serve.cli import check_max_batch
+    from specedge.serve.cli import check_batchable
 
     fake_engines(bundle)
     settings = ServerSettings(bundle=str(bundle), backend="tensorrt", max_batch=2)
     with pytest.raises(SystemExit) as e:
-        check_max_batch(settings, load_bundle(bundle))
+        check_batchable(settings, load_bundle(bundle))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"specedge build --bundle {bundle} --max-batch 2 --force`" in err
-    check_max_batch(replace(settings, max_batch=1), load_bundle(bundle))  # nothing to check
+    check_batchable(replace(settings, max_batch=1), load_bundle(bundle))  # nothing to check

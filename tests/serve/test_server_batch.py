@@ -127,7 +127,8 @@ def test_a_negative_prompt_cache_is_refused_in_one_line(tiny_batched_bundle):
                           str(tiny_batched_bundle), "--max-batch", "2", "--prompt-cache-mb",
                           "-1", "--port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].endswith("--prompt-cache-mb must be >= 0")
+    assert "prompt_cache_mb (--prompt-cache-mb) must be an integer >= 0, got -1" in \
+        out.stderr.strip().splitlines()[-1]
 
 
 def test_the_prompt_cache_flag_reaches_the_batch_engine(tiny_batched_bundle):
