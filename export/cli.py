@@ -93,6 +93,21 @@ def export_backend(value: str) -> str:
                                      f"{value!r}")
 
 
+# A distilled draft's head when --draft-head-tokens is auto (docs/distill.md).
+DISTILL_HEAD_TOKENS = 8192
+
+
+def distill_head_tokens(value: str) -> int:
+    """`distill --draft-head-tokens`: an integer, or "auto" for DISTILL_HEAD_TOKENS."""
+    if value == "auto":
+        return DISTILL_HEAD_TOKENS
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}"
+                                         ) from None
+
+
 def head_tokens_argument(value: str) -> int | str:
     """`--draft-head-tokens`: "all", "auto" or an integer (its range is checked with the
     model's vocabulary, preflight.py `preflight`)."""
@@ -144,9 +159,10 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mlp-width", type=int, default=None, metavar="N",
                    help="a cheaper draft: N neurons in each draft layer's MLP, kept from the "
                    "target's largest (default: as many as the target's)")
-    p.add_argument("--draft-head-tokens", "--head-tokens", dest="head_tokens", type=int,
-                   default=8192, metavar="N",
-                   help="the draft's output head: the N most frequent tokens (default 8192)")
+    p.add_argument("--draft-head-tokens", "--head-tokens", dest="head_tokens",
+                   type=distill_head_tokens, default="auto", metavar="N|auto",
+                   help="the draft's output head: the N most frequent tokens (auto, the "
+                   f"default: {DISTILL_HEAD_TOKENS})")
     p.add_argument("--prompts", type=int, default=1200,
                    help="training prompts (default 1200)")
     p.add_argument("--varied-prompts", type=int, default=0,

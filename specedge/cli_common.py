@@ -45,6 +45,14 @@ def add_threads_flag(parser: argparse.ArgumentParser, help: str | None = THREADS
     parser.add_argument("--threads", type=int, default=None, help=help)
 
 
+def add_draft_threshold_flag(parser: argparse.ArgumentParser, help: str | None = None
+                             ) -> None:
+    """--draft-threshold t: stop drafting at a token whose draft probability is below t."""
+    parser.add_argument("--draft-threshold", type=float, default=0.0,
+                        help=help or "stop drafting when the draft's probability for its "
+                        "token is below this (0 = off)")
+
+
 def add_spinning_flag(parser: argparse.ArgumentParser) -> None:
     """--thread-spinning auto|on|off: whether the runtime's CPU threads spin while they wait
     for work (ONNX Runtime's `session.intra_op.allow_spinning`); True, False or "auto" in
@@ -83,9 +91,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="default 0")
     add_draft_tokens_flag(parser, "K, tokens drafted per step, or 'auto' (default: auto when "
                           "greedy, 1 when sampling, so that --seed fixes the text)")
-    parser.add_argument("--draft-threshold", type=float, default=0.0,
-                        help="stop drafting when the draft's probability for its token is below "
-                        "this (0 = off)")
+    add_draft_threshold_flag(parser)
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="end the text where TEXT appears (repeat for several)")
     parser.add_argument("--no-draft", action="store_true", help="plain target-only decoding")

@@ -17,8 +17,7 @@ from specedge.cli_common import (
 )
 
 
-def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a bundle (no torch needed)")
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     add_bundle_flag(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")

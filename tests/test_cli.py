@@ -581,6 +581,37 @@ def test_distill_names_its_model_as_export_does():
     assert model_argument(p.parse_args(["--out", "d"]), "distill", "dflt") == "dflt"
     assert p.parse_args(["--out", "d", "--draft-head-tokens", "100"]).head_tokens == 100
     assert p.parse_args(["--out", "d", "--head-tokens", "100"]).head_tokens == 100
+    # "auto", as export's flag takes it: the distilled default.
+    assert p.parse_args(["--out", "d", "--draft-head-tokens", "auto"]).head_tokens == 8192
+    assert p.parse_args(["--out", "d"]).head_tokens == 8192
+
+
+def test_distill_head_tokens_that_are_no_number_are_one_line(capsys, tmp_path):
+    code, _, err = call_main(capsys, "distill", "--out", tmp_path / "d", "--draft-head-tokens",
+                             "many")
+    assert_one_line_error(code, err, "expected an integer or 'auto'", "'many'")
+
+
+def test_each_command_runs_what_its_table_row_names(monkeypatch):
+    """specedge/cli.py's one table: the parsed command's own `run`, given the namespace, and
+    its return value the exit status."""
+    from specedge import cli
+
+    seen = []
+    rows = [c.__class__(c.name, c.help, c.add_arguments,
+                        lambda args, name=c.name: seen.append((name, args.command)) or 3,
+                        c.parser_options) for c in cli.COMMANDS]
+    monkeypatch.setattr(cli, "COMMANDS", tuple(rows))
+    for row in rows:
+        argv = [row.name] + {"generate": ["--bundle", "b", "--prompt", "p"],
+                             "chat": ["--bundle", "b"], "serve": ["--bundle", "b"],
+                             "export": ["m", "--out", "o"], "distill": ["--out", "o"],
+                             "corpus": ["--bundle", "b", "--out", "o"],
+                             "build": ["--bundle", "b"], "bench": ["--bundle", "b"]
+                             }.get(row.name, [])
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+        assert done.value.code == 3 and seen[-1] == (row.name, row.name)
 
 
 def test_distill_with_two_models_is_one_line(capsys, tmp_path):

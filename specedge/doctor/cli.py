@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from specedge.cli_common import add_threads_flag
 from specedge.doctor.report import gather, render
 
 
@@ -14,8 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", type=Path, default=None,
                    help="also load this bundle on every backend that runs here: its load "
                    "time and one decoding step's")
-    p.add_argument("--threads", type=int, default=None,
-                   help="ONNX Runtime CPU threads for the bundle (default: one per core)")
+    add_threads_flag(p, "ONNX Runtime CPU threads for the bundle (default: one per core)")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
 
 

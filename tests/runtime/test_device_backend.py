@@ -282,7 +282,7 @@ def test_ort_cuda_without_onnxruntime_gpu_is_a_clear_error(bundle):
 
 
 def test_cuda_memory_round_trip_or_a_clear_error_without_a_gpu():
-    """CI has cuda-python (the [cuda] extra) but no GPU: the error must say what works. On a
+    """CI has cuda-python (the [cuda13] extra) but no GPU: the error must say what works. On a
     GPU machine the same test checks an upload / strided copy / download round trip."""
     from cuda.bindings import runtime as cudart
 
