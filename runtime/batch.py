@@ -65,23 +65,13 @@ if TYPE_CHECKING:
     from specedge.runtime.backends.device_slots import DeviceSlotCaches
     from specedge.runtime.kv_cache import SlotCaches
 
-# While other sequences stream, a prompt on a batched graph runs in chunks of this many tokens,
-# one chunk a meeting on a row of its own, so that their steps wait for a chunk, not for
-# the whole prompt: a running sequence's gap between two tokens is then about one chunk
-# plus one step of the batch. SmolLM2 int4, 2 cores, four sequences on chat prompts of 45
-# to 145 tokens (docs/MEASUREMENTS.md, "Prompt chunks of 8 tokens"): against chunks of
-# 16, chunks of 8 gave an inter-token p99 of 0.80x (63 -> 51 ms in process; through HTTP
-# 67 -> 54 ms, about twice one request's alone) for 0.93x the tokens a second and 1.17x
-# the time to a first token; chunks of 12 gave 0.90x, 0.99x and 0.99x.
+# While others stream, a prompt runs in chunks of this many tokens, one a meeting, so that
+# their steps wait for a chunk, not the whole prompt (measured against 12 and 16:
+# docs/MEASUREMENTS.md, "Prompt chunks of 8 tokens").
 PREFILL_CHUNK = 8
-# Prompts of at most this many tokens that are read at the same time start their streams
-# together (each first token held until the others are read), and with nobody streaming
-# each is read in one call: a stream's gaps then hold no companion's prompt, at the price
-# of a later first token for the shorter ones (up to (max_batch - 1) x this many tokens
-# read). A longer prompt is read in chunks, and nobody waits for it. SmolLM2 int4, 2 cores,
-# four sequences on distinct chat prompts (docs/MEASUREMENTS.md, "Streams that start
-# together"): 1.19x the tokens a second, the worst request's inter-token p99 0.58x, the
-# first token p50 2.06x later, p90 0.61x.
+# Prompts of at most this many tokens read at the same time start their streams together,
+# each read in one call while nobody streams (docs/MEASUREMENTS.md, "Streams that start
+# together"); a longer one is read in chunks, and nobody waits for it.
 TOGETHER_TOKENS = 256
 # The slots' capacity is cut once this many of its steps (`caches.step`: GROWTH_STEP rows
 # on the host, CAPACITY_STEP on a device) are unused: a long generation's rows, kept, would
