@@ -35,6 +35,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+EMPTY_CHAT = "the message is empty: write something to ask"
+
+
 class TextCodec:
     def __init__(self, bundle: Bundle):
         try:
@@ -242,16 +245,23 @@ class TextCodec:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            chat = not raw and self.has_chat_template
+            # One rule for every way in (a prompt, messages; the API, the CLI): no text at
+            # all is refused, in the words of its mode.
             if not check_text(prompt, "the prompt").strip():
-                raise ValueError("prompt is empty: give some text to continue")
-            if raw or not self.has_chat_template:
-                ids = self.encode(prompt)
-            else:
+                raise ValueError(EMPTY_CHAT if chat else
+                                 "prompt is empty: give some text to continue")
+            if chat:
                 ids = self.encode_chat([{"role": "user", "content": prompt}])
+            else:
+                ids = self.encode(prompt)
         elif messages is not None:
             if not messages:
                 raise ValueError("messages is empty: give at least one message")
             ids = self.encode_chat(messages)
+            if not any(isinstance(m.get("content"), str) and m["content"].strip()
+                       for m in messages):
+                raise ValueError(EMPTY_CHAT)
         else:
             ids = prompt_ids
         ids = check_token_ids(ids, self.vocab_size)

@@ -53,9 +53,12 @@ def edit_manifest(bundle: Path, change) -> None:
 
 BAD_SETTINGS = [
     # (kwargs, regex the message must match: it names the value and the allowed range)
-    (dict(prompt=""), r"prompt is empty"),
-    (dict(prompt="   \n"), r"prompt is empty"),
-    (dict(prompt="", raw=True), r"prompt is empty"),
+    (dict(prompt=""), r"the message is empty: write something to ask"),
+    (dict(prompt="   \n"), r"the message is empty"),
+    (dict(prompt="", raw=True), r"prompt is empty: give some text to continue"),
+    (dict(messages=[{"role": "user", "content": " "}]), r"the message is empty"),
+    (dict(messages=[{"role": "system", "content": ""}, {"role": "user", "content": ""}]),
+     r"the message is empty"),
     (dict(prompt=PROMPT, max_new_tokens=0), r"max_new_tokens must be an integer >= 1, got 0"),
     (dict(prompt=PROMPT, max_new_tokens=-5), r"max_new_tokens must be an integer >= 1, got -5"),
     (dict(prompt=PROMPT, max_new_tokens=2.5), r"max_new_tokens must be an integer >= 1"),

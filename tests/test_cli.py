@@ -230,8 +230,9 @@ def test_generate_self_draft_accepts_everything(capsys, tiny_self_draft_bundle):
 
 BAD_GENERATE = [
     # (arguments after `generate --bundle B`, words the one error line must contain)
-    (["--prompt", ""], ["prompt is empty"]),
-    (["--prompt", "   "], ["prompt is empty"]),
+    (["--prompt", ""], ["the message is empty", "write something to ask"]),
+    (["--prompt", "   "], ["the message is empty"]),
+    (["--prompt", "", "--raw"], ["prompt is empty", "give some text to continue"]),
     (["--prompt", PROMPT, "--max-new-tokens", "0"], ["max_new_tokens", ">= 1", "got 0"]),
     (["--prompt", PROMPT, "--max-new-tokens", "-3"], ["max_new_tokens", ">= 1", "got -3"]),
     (["--prompt", PROMPT, "--max-new-tokens", "100000"],

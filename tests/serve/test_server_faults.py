@@ -379,6 +379,12 @@ def bad_requests() -> list[tuple[str, dict, int, dict]]:
          post({"prompt": "z" * 600, "max_tokens": 1}, "/v1/completions"), 400,
          {"code": "context_length_exceeded", "param": "prompt"}),
         ("messages empty", post({**ok, "messages": []}), 400, {"param": "messages"}),
+        # The CLI's rule too (runtime/text.py EMPTY_CHAT), in the words of a chat.
+        ("a message with no text", post(chat_body("  ", 4)), 400,
+         {"message": "the message is empty: write something to ask"}),
+        ("a completion prompt with no text",
+         post({"prompt": "", "max_tokens": 2}, "/v1/completions"), 400,
+         {"message": "prompt is empty: give some text to continue"}),
         ("messages missing", post({"max_tokens": 4}), 400, {"param": "messages"}),
         ("token id out of the vocabulary",
          post({"prompt": [5, 10**6], "max_tokens": 2}, "/v1/completions"), 400,
