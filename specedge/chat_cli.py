@@ -126,7 +126,7 @@ class Chat:
         cancel = threading.Event()
         stream = self.gen.stream(messages=self.messages(), config=self.config, cancel=cancel)
         try:
-            with _ctrl_c_sets(cancel):
+            with _ctrl_c_sets(cancel), _typing_not_echoed():
                 for piece in stream:
                     pieces.append(piece)
                     print(piece, end="", file=self.out, flush=True)
@@ -226,6 +226,30 @@ def _ctrl_c_sets(cancel: threading.Event) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def _typing_not_echoed() -> Iterator[None]:
+    """While a reply streams to a terminal, what the user types is not echoed into it (the
+    terminal's ECHO off): the line stays in the input, read and run once the reply ends, as
+    a line typed at the prompt is. Elsewhere (a pipe, no termios) nothing changes."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        before = termios.tcgetattr(fd) if sys.stdin.isatty() else None
+    except (ImportError, OSError, ValueError, AttributeError):
+        before = None
+    if before is None:
+        yield
+        return
+    quiet = list(before)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
 
 
 def _read(interactive: bool) -> str:

@@ -296,3 +296,51 @@ def test_arrow_keys_edit_the_line_at_a_terminal(tiny_bundle, api):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
     assert want.encode() in output
+
+
+def test_what_is_typed_while_a_reply_streams_is_not_echoed_into_it(monkeypatch, tmp_path):
+    """On a terminal (a pseudo-terminal here), a line typed while the reply streams is not
+    echoed between the reply's pieces, and is still read afterwards as the next command;
+    the terminal echoes again once the reply ends."""
+    import pty
+    import termios
+
+    from specedge.chat_cli import Chat
+    from specedge.runtime.config import GenerationConfig
+
+    controller, terminal = pty.openpty()
+    stdin = os.fdopen(terminal, "r", closefd=False)
+    monkeypatch.setattr(sys, "stdin", stdin)
+
+    class Streaming:
+        """Yields a reply in pieces; the user types a command after the first one."""
+
+        last_result = None
+
+        def stream(self, **kwargs):
+            yield "The sky "
+            os.write(controller, b"/stats\n")
+            time.sleep(0.2)  # the terminal driver handles the typing meanwhile
+            yield "is blue."
+            self.last_result = type("R", (), {"text": "The sky is blue.", "stats": {},
+                                              "stop_reason": "eos"})()
+
+        def context_limit(self, config):
+            return 10**6
+
+        codec = type("C", (), {"encode_chat": staticmethod(lambda messages: [1, 2])})
+
+    out, err = io.StringIO(), io.StringIO()
+    chat = Chat(Streaming(), GenerationConfig(max_new_tokens=8), out=out, err=err)
+    chat.reply("why?")
+    os.set_blocking(controller, False)
+    try:
+        echoed = os.read(controller, 1024)
+    except BlockingIOError:
+        echoed = b""
+    assert b"/stats" not in echoed
+    assert out.getvalue() == "The sky is blue.\n"
+    assert stdin.readline() == "/stats\n"  # still there, run after the reply
+    assert termios.tcgetattr(terminal)[3] & termios.ECHO
+    os.close(controller)
+    os.close(terminal)
