@@ -17,8 +17,12 @@ if [ -x .venv/bin/specedge ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; the
 else
     python3 -m venv .venv
     . .venv/bin/activate
-    python -m pip install --quiet --upgrade pip
-    python -m pip install --quiet -e ".[export,serve]"  # serve: the README's next step
+    # pip's and setuptools' notices go to a log, shown only if the install fails.
+    if ! { python -m pip install --quiet --upgrade pip &&
+           python -m pip install --quiet -e ".[export,serve]"; } > .venv/install.log 2>&1; then
+        cat .venv/install.log >&2
+        exit 1
+    fi
     echo "$WANT" > "$STAMP"
 fi
 BUNDLE=bundles/smollm2-135m-feature-int4
