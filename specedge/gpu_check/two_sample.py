@@ -60,7 +60,3 @@ def two_sample_test(a: Counter, b: Counter, min_count: int = 10) -> tuple[float,
                          "more than one likely outcome, or draw more")
     stat, pvalue = chi2_contingency(table)[:2]
     return float(stat), float(pvalue), table
-
-
-def two_sample_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
-    return two_sample_test(a, b, min_count)[1]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 from tiny_models import save_tiny
+from two_samples import two_sample_pvalue
 
 from specedge.export.bundle_writer import export_bundle
 from specedge.export.distill.config import DistillConfig
@@ -18,7 +19,7 @@ from specedge.export.distill.draft_folder import DRAFT_META, DRAFT_WEIGHTS
 from specedge.export.distill.prompts import training_prompts
 from specedge.export.distill.train import distill
 from specedge.export.sources import load_model
-from specedge.gpu_check.two_sample import first_two_tokens, two_sample_pvalue
+from specedge.gpu_check.two_sample import first_two_tokens
 from specedge.runtime import Generator
 
 HEAD = 16

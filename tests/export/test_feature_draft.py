@@ -9,10 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from two_samples import two_sample_pvalue
 
 from specedge.export.bundle_writer import export_bundle
 from specedge.export.distill.draft_folder import DRAFT_META, DRAFT_WEIGHTS
-from specedge.gpu_check.two_sample import two_sample_pvalue
 from specedge.runtime import Generator
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import MANIFEST, load_bundle

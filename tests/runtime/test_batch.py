@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from model_calls import spy_calls
 from power_controls import resamples_from_p
+from two_samples import two_sample_pvalue
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.gpu_check.two_sample import first_tokens, two_sample_pvalue
+from specedge.gpu_check.two_sample import first_tokens
 from specedge.runtime import Generator, token_selection
 from specedge.runtime import batch as batch_module
 from specedge.runtime.backends.ort_cpu import OrtCpuBackend

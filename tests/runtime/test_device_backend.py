@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from two_samples import two_sample_pvalue
 
-from specedge.gpu_check.two_sample import first_two_tokens, two_sample_pvalue
+from specedge.gpu_check.two_sample import first_two_tokens
 from specedge.runtime import Generator
 from specedge.runtime.backends import load_backend
 from specedge.runtime.backends.device import DeviceBackend, binding_plan

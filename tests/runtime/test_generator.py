@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from power_controls import resamples_from_p
+from two_samples import two_sample_pvalue
 
-from specedge.gpu_check.two_sample import first_tokens, two_sample_pvalue
+from specedge.gpu_check.two_sample import first_tokens
 from specedge.runtime import Generator, token_selection
 from specedge.runtime.config import Sampling
 from specedge.runtime.drafting import PromptLookupDrafter
