@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from specedge.runtime.sampling import SparseProbs, process_row_with_checked_settings, sample
+from specedge.runtime.probs import SparseProbs, sample
+from specedge.runtime.sampling import process_row_with_checked_settings
 
 DRAFTERS = ("model", "prompt-lookup", "lookup+model")
 # `draft_tokens="auto"` picks K in [0, AUTO_MAX_K] before every step (drafting/auto_k.py).

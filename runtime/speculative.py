@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specedge.runtime.sampling import SparseProbs, as_sparse, sample
+from specedge.runtime.probs import SparseProbs, as_sparse, sample
 
 __all__ = ["residual", "verify_greedy", "verify_sampled"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specedge.runtime.config import Sampling
-from specedge.runtime.sampling import sample
+from specedge.runtime.probs import sample
 from specedge.runtime.speculative import verify_greedy, verify_sampled
 
 # q(x) of a greedy draft token, for the draft threshold: the softmax at T = 1.

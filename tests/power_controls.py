@@ -3,7 +3,7 @@ reject them at the N, seeds and alpha they use for the right one."""
 
 from __future__ import annotations
 
-from specedge.runtime.sampling import sample
+from specedge.runtime.probs import sample
 
 
 def resamples_from_p(draft_ids, q_probs, p_probs, rng):

@@ -105,7 +105,7 @@ class DeviceSampler:
 
     def sample(self, probs_ptr: int, rows: int, vocab: int,
                uniforms: Sequence[float]) -> list[int]:
-        """``sampling.sample`` for each row of ``[rows, vocab]`` device probabilities.
+        """``probs.sample`` for each row of ``[rows, vocab]`` device probabilities.
 
         ``uniforms``: one value in ``[0, 1)`` per row (e.g. ``rng.random(rows)``).
         Raises ValueError for a row without a positive finite total.
@@ -276,6 +276,6 @@ def _check_mass(probs: np.ndarray, what: str) -> None:
 
 
 def _inverse_cdf(w: np.ndarray, u: float) -> int:
-    """First index whose cumulative weight exceeds u * total (sampling.sample's rule)."""
+    """First index whose cumulative weight exceeds u * total (probs.sample's rule)."""
     c = np.cumsum(w, dtype=np.float64)
     return int(np.searchsorted(c, u * c[-1], side="right"))

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specedge.runtime.sampling import process_logits, sample
+from specedge.runtime.probs import sample
+from specedge.runtime.sampling import process_logits
 from specedge.runtime.speculative import residual, verify_sampled
 
 # Draws per chi-square test. At this N a sampler that moves 0.02-0.05 of probability

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specedge.runtime.sampling import SparseProbs, as_sparse, process_logits, process_row, sample
+from specedge.runtime.probs import SparseProbs, as_sparse, sample
+from specedge.runtime.sampling import process_logits, process_row
 from specedge.runtime.speculative import residual, verify_greedy, verify_sampled
 
 
