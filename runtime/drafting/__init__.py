@@ -1,5 +1,13 @@
-"""Drafters: the `Drafter` protocol (drafter.py) and `make_drafter`, which builds the one a
-generation asks for (config.DRAFTERS) on the bundle's draft model."""
+"""Drafting: what proposes tokens and how many.
+
+The drafters: the `Drafter` protocol (drafter.py), the draft model (model.py), the feature
+draft (feature.py), prompt lookup and lookup-then-model (lookup.py), and `make_drafter`, which
+builds the one a generation asks for (config.DRAFTERS) on the bundle's draft model.
+
+The K policy, how many tokens to draft at each step: auto K (auto_k.py: the expected gain of
+each K from measured acceptance and call costs), the measurements kept with a bundle
+(auto_k_file.py), and a batch's call costs (batch_costs.py). It lives beside the drafters
+because it prices what they propose: it reads their acceptance and their calls' costs."""
 
 from __future__ import annotations
 
