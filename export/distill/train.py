@@ -102,8 +102,11 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
                file=sys.stderr)
     draft.train()
     while step < total_steps:
-        loss, agree = draft_loss(draft, head_ids, [data[train_set[i]] for i in orders[step]],
-                                 cfg.unroll)
+        # bf16: the products in bfloat16 under autocast, the weights and the optimizer's
+        # state in float32 (about 1.1-1.7x the steps a second on AVX-512 BF16 here).
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train_dtype == "bf16"):
+            loss, agree = draft_loss(draft, head_ids,
+                                     [data[train_set[i]] for i in orders[step]], cfg.unroll)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -205,6 +208,8 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
         raise ValueError(f"--kind must be one of {', '.join(DRAFT_KINDS)}, got {cfg.kind!r}")
     if cfg.feature_layers and cfg.kind != "feature":
         raise ValueError("--feature-layers is for --kind feature drafts")
+    if cfg.train_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"--train-dtype must be fp32 or bf16, got {cfg.train_dtype!r}")
     if cfg.unroll < 1 or (cfg.unroll > 1 and (cfg.kind != "feature" or not cfg.corpus)):
         raise ValueError("--unroll takes a step count >= 1; more than 1 is for --kind feature "
                          "drafts trained on a --corpus")

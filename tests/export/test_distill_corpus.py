@@ -112,3 +112,14 @@ def test_corpus_tokens_takes_the_first_shards(tiny_checkpoints, tiny_corpus, tmp
 def test_unroll_is_for_feature_drafts_on_a_corpus(tiny_checkpoints, tiny_corpus, tmp_path):
     with pytest.raises(ValueError, match="--unroll"):
         distill(tmp_path / "d", config(tiny_checkpoints, tiny_corpus, kind="model", unroll=2))
+
+
+def test_bf16_training_runs_and_records_its_setting(tiny_checkpoints, tiny_corpus, tmp_path):
+    """--train-dtype bf16: the products under bfloat16 autocast, the weights saved as ever;
+    a finite held-out loss, and the setting in the draft's metadata."""
+    meta = distill(tmp_path / "d", config(tiny_checkpoints, tiny_corpus, kind="feature",
+                                          unroll=2, train_dtype="bf16", epochs=1))
+    assert meta["config"]["train_dtype"] == "bf16"
+    assert torch.isfinite(torch.tensor(meta["report"]["val_loss"]))
+    with pytest.raises(ValueError, match="--train-dtype"):
+        distill(tmp_path / "e", config(tiny_checkpoints, tiny_corpus, train_dtype="fp16"))
