@@ -30,15 +30,21 @@ def top_k_cross_entropy(head_logits: torch.Tensor, ex: dict, to_head: torch.Tens
                                                                  cols[:, 0]).sum())
 
 
-def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tensor, float]:
-    """Cross-entropy of the draft's head distribution against the target's top-k."""
+def _model_hidden(draft, batch: list[dict]) -> torch.Tensor:
+    """A model draft's last hidden states [B, width, H] over the examples' ids, padded at
+    the end (attention is causal: the padding changes nothing before it)."""
     width = max(len(ex["ids"]) for ex in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
     for b, ex in enumerate(batch):
         ids[b, :len(ex["ids"])] = ex["ids"].long()
         mask[b, :len(ex["ids"])] = 1
-    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _loss(draft, head_ids: torch.Tensor, batch: list[dict]) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the draft's head distribution against the target's top-k."""
+    hidden = _model_hidden(draft, batch)
     to_head = head_columns(head_ids, draft.config.vocab_size)
     head_w = draft.model.embed_tokens.weight[head_ids]
     total, agree, count = 0.0, 0, 0
@@ -194,13 +200,7 @@ def corpus_model_loss(draft, head_ids: torch.Tensor, batch: list[dict]
                       ) -> tuple[torch.Tensor, float]:
     """A model draft's loss on corpus examples: head_cross_entropy at each answer position
     against the target's distribution over the head tokens, from its features."""
-    width = max(len(ex["ids"]) for ex in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for b, ex in enumerate(batch):
-        ids[b, :len(ex["ids"])] = ex["ids"].long()
-        mask[b, :len(ex["ids"])] = 1
-    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    hidden = _model_hidden(draft, batch)
     head_w = draft.model.embed_tokens.weight[head_ids]
     total, agree, count = 0.0, 0, 0
     for b, ex in enumerate(batch):
