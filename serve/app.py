@@ -5,7 +5,8 @@ replicas on a cluster of devices (cluster/), with the same routes, checks and er
     POST /v1/chat/completions, /v1/completions   generation, whole or streamed (SSE)
     GET  /v1/models                              the one model
     POST /tokenize, /detokenize                  the bundle's tokenizer
-    GET  /health                                 200 ready; 503 loading, draining, stalled
+    GET  /health                                 200 ready; 503 loading, draining, stalled;
+                                                 both say whether a key is required
     GET  /metrics                                Prometheus (metrics.py)
     GET  /                                       the chat page (page.py), unless --no-ui
 
@@ -371,13 +372,17 @@ class Server:
             "max_model_len": text.bundle.target.max_context}]}
 
     def health(self) -> Response:
+        # Whether the API asks for a key: the chat page asks the user for it before it calls
+        # the API, instead of meeting a 401 as it opens.
+        key = {"key_required": self.settings.api_key is not None}
         if self.phase != "ready":
             body = {"status": self.phase} | ({"error": self.failure} if self.failure else {})
-            return JSONResponse(body, status_code=503)
+            return JSONResponse(body | key, status_code=503)
         problem = self.engine.problem()
         if isinstance(problem, tuple):
-            return JSONResponse({"status": problem[0], "error": problem[1]}, status_code=503)
-        return JSONResponse({"status": "ok"} | problem)
+            return JSONResponse({"status": problem[0], "error": problem[1]} | key,
+                                status_code=503)
+        return JSONResponse({"status": "ok"} | problem | key)
 
 
 def _as_api_error(error: BaseException) -> APIError:

@@ -250,3 +250,21 @@ def test_a_wrong_key_shows_the_servers_error(server, browser):
         assert page.answers().first.locator(".text").inner_text() == ""
     finally:
         page.close()
+
+
+def test_on_a_keyed_server_the_page_asks_for_the_key_before_calling_the_api(server, browser):
+    """Opened without a key, the page asks for one (/health says a key is required) and calls
+    no key-guarded route meanwhile, so the console stays free of 401s; typed, the key
+    brings the model's name."""
+    assert httpx.get(server.url + "/health", timeout=10).json()["key_required"] is True
+    page = Page(browser, server, key=None)
+    try:
+        page.tab.locator("#model").filter(has_text="enter the server's API key").wait_for(
+            timeout=10_000)
+        assert not any("/v1/" in url for url in page.requests), page.requests
+        page.tab.locator("#key").fill(KEY)
+        page.tab.locator("#key").dispatch_event("change")
+        page.tab.locator("#model").filter(has_text="slow-llama").wait_for(timeout=10_000)
+        assert page.errors == []
+    finally:
+        page.close()
