@@ -185,6 +185,17 @@ def test_the_graph_rotates_where_the_kernel_cannot(arch, kwargs, rotary):
 
 
 @pytest.mark.parametrize("arch", MORE_ARCHITECTURES)
-def test_feature_drafts_are_refused(arch):
-    with pytest.raises(ValueError, match="feature drafts need"):
-        wrap(tiny_more(arch), features=True)
+def test_targets_export_the_features_a_feature_draft_reads(arch):
+    """These families take feature drafts (tests/export/test_feature_draft_families.py): their
+    graphs output the final norm's features beside the logits."""
+    model = tiny_more(arch)
+    module = wrap(model, features=True)
+    ids = torch.tensor([[3, 4, 5]])
+    dims = model_dims_of(model.config)
+    past = [torch.zeros(1, dims["num_kv_heads"], 0, dims["head_dim"])] * (
+        2 * model.config.num_hidden_layers)
+    with torch.no_grad():
+        out = module(ids, torch.arange(3).unsqueeze(0), torch.tensor([0]), torch.tensor([1]),
+                     *past, torch.tensor([3]))
+        final = model.model(ids).last_hidden_state  # after the final norm
+    torch.testing.assert_close(out[-1], final, atol=1e-4, rtol=1e-4)
