@@ -270,7 +270,8 @@ def test_dropped_queued_request_never_runs(slow_server):
         events = sse_events(r.iter_lines())
         first = next(events)  # the role chunk, sent while B waits
         assert first["choices"][0]["delta"]["role"] == "assistant"
-        assert health(server) == {"status": "ok", "running": 1, "waiting": 1}
+        assert health(server) == {"status": "ok", "running": 1, "waiting": 1,
+                                  "key_required": False}
     wait_for(server, running=1, waiting=0, within=1.0)  # B is gone ...
     assert "a" not in result, "A finished too soon for this test to tell A from B"
     a.join(120)
@@ -636,14 +637,15 @@ def test_sigterm_drains_in_flight_requests(slow_bundle, tmp_path):
 # ---- /health and /metrics --------------------------------------------------------------------
 
 def test_health_is_503_while_the_bundle_loads(slow_server):
-    """From the first moment the port answers, /health is 503 {"status": "loading"} until
+    """From the first moment the port answers, /health is 503 {"status": "loading", ...} until
     the bundle is loaded, and a completion sent then gets 503 model_loading with
     Retry-After."""
     _, seen = slow_server
     health_seen = [s for s in seen if s[0] == "health"]
     assert health_seen[-1][1] == 200
-    assert health_seen[0][1:] == (503, {"status": "loading"}), seen
-    assert all(s[1:] == (503, {"status": "loading"}) for s in health_seen[:-1]), seen
+    loading = (503, {"status": "loading", "key_required": False})
+    assert health_seen[0][1:] == loading, seen
+    assert all(s[1:] == loading for s in health_seen[:-1]), seen
     chat = next(s for s in seen if s[0] == "chat")
     _, status, headers, body = chat
     assert status == 503 and headers["retry-after"] == "5", chat
