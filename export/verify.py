@@ -125,17 +125,18 @@ def verify_graph(model: nn.Module, onnx_path: Path, prompt_ids: list[int], steps
     vocab_id = (lambda i: int(i)) if head is None else (lambda i: int(head[i]))
 
     ref_tokens, graph_tokens = [], []
-    past = out.past_key_values
-    # transformers renamed forward's `past_key_values` to `cache` (5.24, the old name warns)
+    # transformers renamed forward's `past_key_values` and the output's to `cache` (5.24; the
+    # old names warn, inside the export's progress bar)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
         else "past_key_values"
+    past = out[cache_arg]
     ref_next, graph_next = vocab_id(np.argmax(ref[-1])), vocab_id(np.argmax(got[-1]))
     for _ in range(steps):
         ref_tokens.append(ref_next)
         graph_tokens.append(graph_next)
         with torch.no_grad():
             out = model(torch.tensor([[ref_next]]), use_cache=True, **{cache_arg: past})
-        past = out.past_key_values
+        past = out[cache_arg]
         ref_logits = out.logits[0, -1].numpy()[cols]
         # Feed the graph the reference token so both see the same inputs at every step.
         got = backend.forward(cache, [ref_next], 1)[-1][cols]

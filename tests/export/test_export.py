@@ -324,3 +324,20 @@ def test_a_failed_step_is_named_with_what_to_do(tiny_checkpoints, tmp_path, monk
     said = capsys.readouterr().err.split("\n")  # the progress bar redraws with \r
     assert said[-2] == f"specedge: error: {message}" and said[-1] == "", said
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_verify_asks_transformers_for_its_cache_by_its_current_name(tiny_checkpoints,
+                                                                   tmp_path):
+    """--verify reads the model's cache as transformers names it now (`cache`), so the
+    export's progress bar carries no deprecation notice. In a process of its own: the notice
+    is logged once a process."""
+    import subprocess
+    import sys
+
+    code = ("from specedge.export.bundle_writer import export_bundle; "
+            f"export_bundle({str(tiny_checkpoints['llama'])!r}, {str(tmp_path / 'b')!r}, "
+            "draft_layers=1, verify=True)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "deprecated" not in done.stderr, done.stderr[-2000:]
