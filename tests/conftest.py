@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The experiments' helpers the tests use too (scripts/experiments/gguf_writer.py), after the
+# tests' own modules.
+sys.path.append(str(Path(__file__).parent.parent / "scripts" / "experiments"))
 
 from tiny_bundles import export_tiny, prebuilt_bundle, prebuilt_folder, save_checkpoints  # noqa: E402
 

@@ -19,7 +19,7 @@ below) with random weights, exported to an int4 bundle, and measured:
        speedup(K) = ((1 - alpha^(K+1)) / (1 - alpha)) / (K c + r(K+1))
 
 5. where llama-cpp-python is installed, llama.cpp's plain decoding of the same random
-   weights written as a Q4_1 GGUF (specedge.export.gguf_writer), with the same threads and the
+   weights written as a Q4_1 GGUF (gguf_writer.py beside this script), with the same threads and the
    same 64-token prompt. Q4_1, not Q4_0: our int4 stores each block of 32 weights as
    w = d * q + m, which is Q4_1's grid (export/quantize.py), so Q4_1 is the same
    weight format; Q4_0 has no offset (4.5 bits a weight against 5) and would compare a
@@ -179,7 +179,7 @@ def best_k(alpha: float, c: float, r: dict[int, float], max_k: int = MAX_K) -> t
 
 def _tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer (GPT-2's scheme, as SmolLM2, Qwen2.5 and Llama 3 use, and
-    the kind specedge.export.gguf_writer writes) with exactly `vocab_size` tokens: <unk>, <s>,
+    the kind gguf_writer.py writes) with exactly `vocab_size` tokens: <unk>, <s>,
     </s>, the 256 byte symbols, then merged pairs and triples of them. The export needs a
     tokenizer.json that covers the vocabulary; its merges mean nothing."""
     from itertools import chain, product
@@ -320,9 +320,9 @@ def llama_cpp_block(name: str, checkpoint: Path, cache: Path, threads: int,
         return None, {"skipped": "llama-cpp-python not installed "
                                  "(bash scripts/install_llama_cpp.sh)"}
     try:
-        from specedge.export.gguf_writer import write_gguf
+        from gguf_writer import write_gguf
     except ImportError as e:
-        return None, {"skipped": f"no GGUF writer (specedge.export.gguf_writer: {e})"}
+        return None, {"skipped": f"no GGUF writer (scripts/experiments/gguf_writer.py: {e})"}
     import llama_cpp
 
     from specedge.bench.baselines import _llama_cpp_batch

@@ -11,7 +11,7 @@ seen when the client receives them):
   server's default: the bundle's draft, K auto);
 - `specedge plain`: the same server, each request with `"speculative": {"enabled": false}`;
 - `llama.cpp server`: `python -m llama_cpp.server` (llama-cpp-python) on the same weights
-  written as a Q4_1 GGUF (specedge.export.gguf_writer; Q4_1 is the grid of our int4, see
+  written as a Q4_1 GGUF (gguf_writer.py beside this script; Q4_1 is the grid of our int4, see
   scripts/experiments/bench_scaling.py), same threads, flash attention on (its fastest plain mode),
   repeat penalty off, a new request queued behind the running one (llama-cpp-python's
   default stops the running one); skipped, with the reason, when llama_cpp.server does not
@@ -333,7 +333,8 @@ def import_error(module: str) -> str | None:
 
 def gguf_for(bundle: Path, cache: Path) -> Path:
     """The bundle's source checkpoint written as a Q4_1 GGUF, once, into cache/gguf."""
-    from specedge.export.gguf_writer import write_gguf
+    from gguf_writer import write_gguf
+
     from specedge.export.sources import resolve_checkpoint
 
     source = json.loads((bundle / "manifest.json").read_text())["source"]["model"]

@@ -137,7 +137,7 @@ def test_script_on_the_tiny_shape(tmp_path, capsys):
         assert f"llama.cpp column skipped: {row['llama_cpp']['skipped']}" in printed
     if importlib.util.find_spec("llama_cpp") is None:
         assert "llama-cpp-python not installed" in row["llama_cpp"]["skipped"]
-    elif importlib.util.find_spec("specedge.export.gguf_writer") is not None:
+    elif importlib.util.find_spec("gguf_writer") is not None:
         # llama.cpp ran on the same random weights, written as Q4_1
         assert row["llama_cpp"]["tokens_per_second"] > 0 and row["llama_cpp"]["quant"] == "q4_1"
         assert f"| {row['llama_cpp']['tokens_per_second']:.1f} |" in printed
@@ -243,6 +243,6 @@ def test_llama_cpp_column_is_skipped_with_its_reason(tmp_path, monkeypatch):
     fake = types.ModuleType("llama_cpp")
     fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    monkeypatch.setitem(sys.modules, "specedge.export.gguf_writer", None)  # not importable
+    monkeypatch.setitem(sys.modules, "gguf_writer", None)  # not importable
     run, info = bench_scaling.llama_cpp_block("tiny", tmp_path, tmp_path, 1, 1024)
     assert run is None and info["skipped"].startswith("no GGUF writer")

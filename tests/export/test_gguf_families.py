@@ -1,5 +1,5 @@
 """A GGUF file of every exported family that transformers reads from GGUF exports: a tiny
-random model, written as GGUF by export/gguf_writer.py the way llama.cpp writes it,
+random model, written as GGUF by scripts/experiments/gguf_writer.py the way llama.cpp writes it,
 loads back in transformers with the same logits, and `specedge export FILE.gguf --verify`
 gives a bundle whose greedy decoding is transformers' (on the original model).
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from gguf_writer import GGUF_ARCHITECTURES, write_gguf
 from tiny_models import (
     BOS,
     CHAT_TEMPLATE,
@@ -29,7 +30,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from specedge.export.bundle_writer import export_bundle
-from specedge.export.gguf_writer import GGUF_ARCHITECTURES, write_gguf
 from specedge.export.graph.families import SUPPORTED_ARCHITECTURES
 from specedge.runtime import Generator
 

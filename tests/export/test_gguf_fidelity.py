@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from gguf_writer import write_gguf
 from test_gguf_families import NEW_TOKENS, PROMPT, bpe_tokenizer
 from tiny_models import BOS, EOS, VOCAB, _rare_eos, tiny_model, tiny_more
 from transformers import AutoModelForCausalLM
 
 from specedge.export.bundle_writer import export_bundle
 from specedge.export.gguf_config import complete_config, llama3_rope
-from specedge.export.gguf_writer import write_gguf
 from specedge.export.sources import resolve_checkpoint
 from specedge.runtime import Generator
 
