@@ -6,8 +6,8 @@ The answers come from the project's own runtime: a bundle of the target exported
 continuous batching: a finished answer's slot takes the next request at once) without a
 draft. On 2 cores (AMD EPYC, AVX-512 VNNI) the int4 SmolLM2 bundle answers 276 tokens a
 second at 32 rows, against 121 for torch's batched `generate` at fp32, whose finished rows
-keep running (docs/MEASUREMENTS.md, "Making a corpus"). The greedy answers are then the bundle's own, which is what a
-draft meets when it runs beside that bundle.
+keep running (docs/MEASUREMENTS.md, "Making a corpus"). The greedy answers are then the
+bundle's own, which is what a draft meets when it runs beside that bundle.
 
 Each shard answers `shard_prompts` requests (CorpusSettings), a fixed mix:
 * `self_fraction` written by the target itself (Magpie, self_prompts.py): given only the chat
