@@ -9,7 +9,7 @@ on ONNX's Attention (the `attention` form).
 
 The hooks on a layer (`attention_input`, `qkv`, `attention`, `residual`) are static: they
 read all they need from the layer and its config, so that one layer also runs on its own
-(a feature draft's, graph/llama.py `llama_layer`). The hooks on the model (`layers`,
+(a feature draft's, export/drafts/feature.py). The hooks on the model (`layers`,
 `sliding_windows`, `prepare`, `embed`, `rotary`, `norm`, `logits`) are methods.
 """
 
