@@ -91,8 +91,8 @@ def verify_feature_draft(draft: FeatureDraft, onnx_path: Path, prompt_ids: list[
 
 
 def _target_features(model: nn.Module, ids: list[int], reader) -> torch.Tensor:
-    """What a target's graph should output as features over `ids` (export/graph/llama.py
-    LlamaFamilyDecoder), from the transformers model's own layers."""
+    """What a target's graph should output as features over `ids` (graph/decoder.py
+    `Decoder`), from the transformers model's own layers."""
     layers = getattr(reader, "feature_layers", ())
     out = target_layer_outputs(model, torch.tensor([ids]), None, layers, final=True)
     with torch.no_grad():
