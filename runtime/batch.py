@@ -54,7 +54,7 @@ from specedge.runtime.backends import Backend
 from specedge.runtime.backends.ort_cpu import check_batch_rows
 from specedge.runtime.bundle import KV_LAYOUT_IN_PLACE
 from specedge.runtime.config import GenerationConfig
-from specedge.runtime.drafting import ModelDrafter
+from specedge.runtime.drafting import FeatureDrafter, ModelDrafter
 from specedge.runtime.drafting.batch_costs import BatchCosts, BatchHistories
 from specedge.runtime.generator import GenerationResult, Generator, RowModels, context_limit
 from specedge.runtime.kv_cache import MAX_BATCHED_TOKENS, capacity_for
@@ -99,6 +99,11 @@ class _Call:
     # theirs (`_Meeting._hold_first_tokens`).
     read: np.ndarray | None = None
     companions: frozenset[int] = frozenset()
+    # A feature draft's input [len(tokens), H]; whether a target with feature output
+    # computes it for this call; the call's feature output [len(tokens), H], a copy.
+    features: np.ndarray | None = None
+    keep_features: bool = False
+    features_out: np.ndarray | None = None
     logits: np.ndarray | None = None
     error: BaseException | None = None
 
@@ -282,18 +287,33 @@ def _run_group(model: _Model, group: list[_Call],
         caches.resize(fit)
         backend.forget_bindings()
     short = {c.slot: c for c in group if not _alone(model, c)}
+    keeps = backend.spec.keeps_features  # a target with feature output
     for c in group:
         if c.slot not in short:
-            # A copy: a backend's logits are a view that its next call overwrites.
-            c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep).copy()
+            if keeps:
+                backend.keep_features = c.keep_features
+            # A copy: a backend's logits (and features) are views that its next call
+            # overwrites.
+            c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep,
+                                       c.features).copy()
+            c.features_out = None if backend.features is None else backend.features.copy()
     if short:
         start = time.perf_counter()
-        rows = backend.forward_slots(caches, min(short), {s: c.tokens for s, c in short.items()})
+        tokens = {s: c.tokens for s, c in short.items()}
+        if keeps:  # computed for every row of the call if one of them reads them
+            backend.keep_features = any(c.keep_features for c in short.values())
+        if backend.spec.reads_features:
+            rows = backend.forward_slots(caches, min(short), tokens,
+                                         {s: c.features for s, c in short.items()})
+        else:
+            rows = backend.forward_slots(caches, min(short), tokens)
         if observe is not None:
             observe(len(short), max(len(c.tokens) for c in short.values()),
                     time.perf_counter() - start)
+        features = getattr(backend, "slot_features", None) if backend.spec.features else None
         for s, c in short.items():
             c.logits = rows[s][len(c.tokens) - c.keep:]
+            c.features_out = None if features is None else features[s].copy()
     return len(short)
 
 
@@ -302,8 +322,6 @@ class RowBackend:
     when the sequences' calls meet (`_Meeting`)."""
 
     grows_cache = False  # the meeting grows every slot at once (`_run_group`)
-    features = None
-    keep_features = False
 
     def __init__(self, model: _Model, slot: int, meeting: _Meeting, reuse: int = 0):
         """`reuse`: rows of the slot that hold the first tokens of this sequence's prompt
@@ -312,6 +330,10 @@ class RowBackend:
         self.name, self.spec = model.backend.name, model.backend.spec
         self.reuse = reuse
         self.called = False  # whether this sequence ran the model: the slot's rows are its
+        # A target with feature output: whether this sequence's calls compute them (its
+        # drafter reads them), and the last call's [T, H], as a backend's `features`.
+        self.keep_features = False
+        self.features: np.ndarray | None = None
 
     @property
     def run_seconds(self) -> float:
@@ -325,11 +347,13 @@ class RowBackend:
         if cache is not self.model.caches.slots[self.slot]:
             raise ValueError("a batched sequence runs on its own cache slot only")
         tokens, meeting = list(token_ids), self.meeting
+        skipped = 0
         if not self.called:
             if self.reuse and cache.length == 0:
                 # The prompt's call, its first rows kept in the slot: only the rest runs.
                 cache.reclaim(self.reuse)
-                tokens = tokens[self.reuse:]
+                tokens, skipped = tokens[self.reuse:], self.reuse
+                features = None if features is None else features[self.reuse:]
             if self.model is meeting.target:
                 meeting.read(self.slot, len(tokens))
         self.called = True
@@ -342,14 +366,26 @@ class RowBackend:
                 chunked = bool(meeting.streaming - {self.slot} or (
                     meeting.running > 1 and len(tokens) > TOGETHER_TOKENS))
         chunks = prefill_chunks(len(tokens), logits_to_keep, chunked, self.model.chunk_tokens)
-        for chunk in chunks[:-1]:
-            self.meeting.call(_Call(self.model, self.slot, tokens[:chunk], 1, alone=True,
-                                    chunk=True))
-            tokens = tokens[chunk:]
-        # A prompt's call (one logit kept, after a slot's kept rows often a few tokens)
-        # runs on a row of its own: in the others' call, it would pad them all to its T.
-        alone = len(chunks) > 1 or (logits_to_keep == 1 and len(tokens) > 2)
-        return self.meeting.call(_Call(self.model, self.slot, tokens, logits_to_keep, alone))
+        calls, at = [], 0
+        for i, chunk in enumerate(chunks):
+            # A prompt's call (one logit kept, after a slot's kept rows often a few tokens)
+            # runs on a row of its own: in the others' call, it would pad them all to its T.
+            last = i == len(chunks) - 1
+            alone = len(chunks) > 1 or (logits_to_keep == 1 and chunk > 2)
+            calls.append(_Call(self.model, self.slot, tokens[at:at + chunk],
+                               logits_to_keep if last else 1, alone, chunk=not last,
+                               features=None if features is None else features[at:at + chunk],
+                               keep_features=self.keep_features))
+            logits = self.meeting.call(calls[-1])
+            at += chunk
+        # The features of every position the call covers, as the loop reads a backend's
+        # (from the cache's length before the call): the rows it reclaimed were computed by
+        # an earlier sequence, their features not kept (zeros), and the feature drafter,
+        # whose own kept rows reach as far (BatchSession.run), never reads them.
+        out = [c.features_out for c in calls]
+        self.features = None if any(f is None for f in out) else np.concatenate(
+            [np.zeros((skipped, out[0].shape[1]), np.float32), *out])
+        return logits
 
 
 def prefill_chunks(n: int, logits_to_keep: int, chunked: bool,
@@ -399,6 +435,7 @@ class BatchSession:
                                       s.max_context,
                                       chunk_tokens=PREFILL_CHUNK * max(1, round(layers))))
         self.generator, self.max_batch = generator, max_batch
+        self.feature_draft = generator.draft is not None and generator.draft.spec.reads_features
         # Auto K in the session prices a K with the batch's call costs at its current size
         # (drafting/batch_costs.py), apart from single generations' measurements.
         self.costs = BatchCosts()
@@ -433,6 +470,7 @@ class BatchSession:
             self._free.remove(slot)
         self.meeting.join(slot, len(prompt))
         rows: list[RowBackend] = []
+        drafter: ModelDrafter | None = None
         held: list[int] = []  # the tokens the slot's rows are the start of
         tokens = None  # the sequence's tokens once it ends: what its slot's rows hold
         try:
@@ -442,12 +480,20 @@ class BatchSession:
             reuse = min(shared_prefix(prompt, held), len(prompt) - 1)
             kept = [min(reuse, m.caches.slots[slot].length) if m.chunked else 0
                     for m in self.models]
+            if self.feature_draft:
+                # A feature draft's row r pairs the target's feature at r with token r + 1:
+                # it keeps the rows of pairs inside the shared prefix, and the target
+                # recomputes from where they end, for the features of those positions.
+                kept[1] = max(0, min(kept[1], reuse - 1))
+                kept[0] = min(kept[0], kept[1])
             # The target reclaims its kept rows at its prompt's call, the sequence's first;
             # the draft keeps them counted from its start on, for its first call may come
             # many steps later (ModelDrafter.start).
             rows = [RowBackend(m, slot, self.meeting, kept[0] if m is target else 0)
                     for m in self.models]
-            drafter = ModelDrafter(rows[1], kept[1]) if len(rows) > 1 else None
+            if len(rows) > 1:
+                drafter = (FeatureDrafter if self.feature_draft else ModelDrafter)(
+                    rows[1], kept[1])
             row = RowModels(rows[0], drafter, rows[0].new_cache(0), self.histories)
             result = yield from self.generator._run(prompt, config, cancel, row)
             tokens = prompt + result.token_ids
@@ -462,6 +508,10 @@ class BatchSession:
                     continue
                 if i >= len(rows) or not rows[i].called:  # still the rows of `held`
                     cache.rollback(min(cache.length, shared_prefix(held, tokens)))
+                elif isinstance(drafter, FeatureDrafter) and i == 1:
+                    # Only rows built on the target's features (a step cut short may
+                    # leave rows of predicted ones).
+                    cache.rollback(min(cache.length, drafter.exact_rows))
                 cache.rollback(min(cache.length, len(tokens)))
                 model.kept[slot] = tokens
             self.meeting.leave(slot)

@@ -44,10 +44,10 @@ A bundle with a feature draft (format 2, export/drafts/feature.py) adds, after t
                                                       (format 3; manifest: features_to_keep
                                                       true): T while a feature draft reads
                                                       them, 0 otherwise
-    target outputs  hidden_states     float  [1, F, H]  its features (manifest: features H;
+    target outputs  hidden_states     float  [B, F, H]  its features (manifest: features H;
                                                         format 2: F = T, no input)
-    draft inputs    hidden_states_in  float  [1, T, H]  (manifest: reads_features true)
-    draft outputs   hidden_states     float  [1, T, H]  its predicted next features
+    draft inputs    hidden_states_in  float  [B, T, H]  (manifest: reads_features true)
+    draft outputs   hidden_states     float  [B, T, H]  its predicted next features
 
 `features_to_keep` lets plain decoding (and drafting without the feature draft) skip the
 work only the features need: a feature draft's `fuse` of several layers' outputs.

@@ -312,6 +312,8 @@ class Generator:
             proposer = (make_drafter(config.drafter, row.model_drafter) if config.use_draft
                         else None)
             row.cache.rollback(0)
+            if row.target.spec.keeps_features:  # as `_new_state` sets them
+                row.target.keep_features = bool(proposer and proposer.needs_features)
             state = GenerationState(row.target, row.cache, proposer, config,
                                     np.random.default_rng(config.seed), StepClock(),
                                     capacity_for(len(ids) + config.max_new_tokens, limit))

@@ -27,8 +27,8 @@ of what predicting x_{r+2} needs. `fuse` is the draft's, but it runs in the targ
 graph computes it for the last `features_to_keep` positions only, none in plain decoding.
 rms() is a parameter-free RMS norm: the residual stream's scale grows with depth.
 
-Graph I/O is the bundle's (runtime/bundle.py) plus `hidden_states_in` [1, T, H] (the f_r of
-each pair) and `hidden_states` [1, T, H] (the f^_{r+1}); the target graph of such a bundle
+Graph I/O is the bundle's (runtime/bundle.py) plus `hidden_states_in` [B, T, H] (the f_r of
+each pair) and `hidden_states` [B, T, H] (the f^_{r+1}); the target graph of such a bundle
 takes `features_to_keep` and outputs its f_r of those positions as `hidden_states`.
 """
 
@@ -98,13 +98,15 @@ class FeatureDraft(nn.Module):
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, -width:].copy_(torch.eye(width))
 
-    fused = False  # see fuse_attention
+    attention = "portable"  # see use_attention
 
-    def fuse_attention(self) -> None:
-        """From now on the graph (`forward`) runs its layer on GroupQueryAttention, KV
-        layout "bhsd-inplace" (export/graph/), rotating q and k in the kernel where it can
-        (graph/families.py `kernel_rotates`); training is unchanged."""
-        self.fused = True
+    def use_attention(self, form: str) -> None:
+        """From now on the graph (`forward`) runs its layer in attention form `form`
+        (graph/attention.py): "portable", or in place (KV layout "bhsd-inplace") on
+        GroupQueryAttention ("fused") or ONNX's Attention ("batched", several rows of
+        several tokens a call), as the target's graph runs its layers; training is
+        unchanged."""
+        self.attention = form
         self.__dict__.pop("_family", None)
 
     def family(self) -> Decoder:
@@ -115,7 +117,7 @@ class FeatureDraft(nn.Module):
         family = self.__dict__.get("_family")
         if family is None:
             family = DECODERS[self.config.model_type](
-                _OneLayerModel(self), attention="fused" if self.fused else "portable")
+                _OneLayerModel(self), attention=self.attention)
             self.__dict__["_family"] = family
         return family
 

@@ -42,7 +42,7 @@ BATCHED_OPSET = 24
 # Bumped when the same checkpoint would export to a different graph, so that bundles made
 # by an older exporter are not taken as up to date (export/bundle_writer.py).
 # The revisions are listed in CHANGELOG.md.
-GRAPH_REVISION = 10
+GRAPH_REVISION = 11
 # The export module of each architecture: the decoder skeleton (graph/decoder.py) with the
 # family's hooks.
 DECODERS: dict[str, type[Decoder]] = {
@@ -87,6 +87,15 @@ def raise_opset(model: onnx.ModelProto, opset: int) -> None:
             onnx.checker.check_node(node, context)
 
 
+def pin_output_widths(model: onnx.ModelProto, widths: dict[str, int]) -> None:
+    """Give outputs `widths` (name: size of the last axis) a fixed last axis, in place."""
+    for output in model.graph.output:
+        if output.name in widths:
+            dim = output.type.tensor_type.shape.dim[-1]
+            dim.Clear()
+            dim.dim_value = widths[output.name]
+
+
 def share_tied_head(model: onnx.ModelProto, folder: Path) -> bool:
     """Make the LM head of the graph `model` read the embedding table instead of its own
     transposed copy, in place; its tensors may be references into files in `folder`.
@@ -126,7 +135,7 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     reads them). A feature draft (export/drafts/feature.py) is its own
     export module and always has feature I/O.
     `attention`: the attention's form (`wrap`); "fused" and "batched" have the KV layout
-    "bhsd-inplace" (a feature draft is switched to "fused" with its `fuse_attention`).
+    "bhsd-inplace" (a feature draft is switched to it with its `use_attention`).
     """
     fused = attention != "portable"
     dims = model_dims(model)
@@ -155,11 +164,8 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
     for name in outputs[1:]:
         dynamic[name] = ({0: "B", 1: "F" if keeps else "T"} if name == FEATURES_OUT
                          else {0: "B", 2: "C" if fused else "T"})
-    if reads and attention == "batched":
-        raise ValueError("a feature draft has no batched attention: batched decoding takes "
-                         "a model draft (--draft-layers N or a model draft folder) or none")
-    if reads and fused:
-        model.fuse_attention()
+    if reads:
+        model.use_attention(attention)
     module = model if reads else wrap(model, features, attention)
     path = Path(path)
     # torch writes a graph over 2 GB as one file per tensor beside it: trace into a folder of
@@ -180,6 +186,12 @@ def export_onnx(model: nn.Module, path: str | Path, share_head: bool = True,
         graph = load_graph(traced)
         if attention == "batched":
             raise_opset(graph, BATCHED_OPSET)
+            # The tracer cannot see through ONNX's Attention, and leaves the widths after
+            # it unnamed; the manifest and the runtime read them from the graph.
+            widths = {"logits": dims["vocab_size"]}
+            if bool(features) or reads:
+                widths[FEATURES_OUT] = model.config.hidden_size
+            pin_output_widths(graph, widths)
         if share_head and model.config.tie_word_embeddings:
             share_tied_head(graph, Path(work))
         save_graph(graph, Path(work), path)

@@ -94,11 +94,13 @@ class OrtCpuBackend:
         self._features_keep = np.zeros(1, np.int64)
         self._cache: KVCache | None = None  # held, so its buffers outlive the bindings
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
-        # Calls on several slots of the SlotCaches held (`forward_slots`), per (lo, n, T).
+        # Calls on several slots of the SlotCaches held (`forward_slots`), per (lo, n, T, F).
         self._slot_caches: SlotCaches | None = None
-        self._slot_bindings: dict[tuple[int, int, int], _SlotBinding] = {}
+        self._slot_bindings: dict[tuple[int, int, int, int], _SlotBinding] = {}
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
         self.features: np.ndarray | None = None  # [T, H] of the last call (feature output)
+        # Each row's [len, H] of the last `forward_slots` call (feature output).
+        self.slot_features: dict[int, np.ndarray] | None = None
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.spec
@@ -197,13 +199,18 @@ class OrtCpuBackend:
         return SlotCaches(s.num_layers, s.num_kv_heads, s.head_dim,
                           min(GROWTH_STEP, s.max_context), slots, spare)
 
-    def forward_slots(self, caches: SlotCaches, lo: int, rows: dict[int, list[int]]
+    def forward_slots(self, caches: SlotCaches, lo: int, rows: dict[int, list[int]],
+                      features: dict[int, np.ndarray] | None = None
                       ) -> dict[int, np.ndarray]:
         """One call on slots [lo, hi) of `caches` (hi past the last slot in `rows`): slot s
         runs the tokens rows[s] at its positions [length, length + len). Rows are padded to
         the longest with their last token; a slot in the range without a row runs padding
         at its own length and keeps its rows. Returns each row's logits [len, vocab] (views,
         valid until the next call) and appends its K/V rows to its slot.
+
+        A feature draft takes each row's `features` [len, H]; a graph with feature output
+        leaves each row's [len, H] in `self.slot_features` (views, valid as long as the
+        logits), or None where `keep_features` is off.
 
         Graphs that take several rows of several tokens (runtime/bundle.py): portable ones,
         whose new rows are copied into the slots, and batched ones, which write every row's
@@ -226,14 +233,26 @@ class OrtCpuBackend:
         if in_place:
             for cache in caches.slots[lo:hi]:
                 check_room(cache.length, t, caches.capacity + caches.spare)
+        s = self.spec
+        if s.reads_features and (features is None or any(
+                len(features.get(slot, ())) != len(ids) for slot, ids in rows.items())):
+            raise ValueError("a feature draft needs features for each token of each row")
         if self._slot_caches is not caches:
             self._slot_caches, self._slot_bindings = caches, {}
-        key = (lo, n, t)
+        f = t if self.keep_features or not s.keeps_features else 0
+        key = (lo, n, t, f)
         b = self._slot_bindings.get(key)
         if b is None:
-            b = self._slot_bindings[key] = self._bind_slots(caches, lo, n, t)
-        fill_slot_inputs(caches.slots, lo, rows, self.spec.max_context, *b.ids,
-                         b.past_length)
+            b = self._slot_bindings[key] = self._bind_slots(caches, lo, n, t, f)
+        fill_slot_inputs(caches.slots, lo, rows, s.max_context, *b.ids, b.past_length)
+        if b.features_in is not None:
+            # A row padded to T repeats its last feature, as its tokens repeat their last;
+            # a slot without a row reads zeros. What padding computes is dropped.
+            b.features_in.fill(0.0)
+            for slot, rows_in in features.items():
+                if slot in rows:
+                    b.features_in[slot - lo, :len(rows_in)] = rows_in
+                    b.features_in[slot - lo, len(rows_in):] = rows_in[-1]
         t0 = time.perf_counter()
         run_placed(self.session, b.io, self.placement)
         self.run_seconds += time.perf_counter() - t0
@@ -244,10 +263,13 @@ class OrtCpuBackend:
             else:
                 caches.slots[slot].write(b.presents[:, slot - lo:slot - lo + 1, :, :len(tokens)])
             logits[slot] = b.logits[slot - lo, :len(tokens)]
+        self.slot_features = None if b.features_out is None or not f else {
+            slot: b.features_out[slot - lo, :len(tokens)] for slot, tokens in rows.items()}
         return logits
 
-    def _bind_slots(self, caches: SlotCaches, lo: int, n: int, t: int) -> _SlotBinding:
-        """Bind every tensor of a call on n slots from `lo`, T tokens each."""
+    def _bind_slots(self, caches: SlotCaches, lo: int, n: int, t: int, f: int
+                    ) -> _SlotBinding:
+        """Bind every tensor of a call on n slots from `lo`, T tokens each, F kept features."""
         s = self.spec
         block = caches.block(lo, lo + n)
         in_place = s.kv_layout == KV_LAYOUT_IN_PLACE
@@ -256,10 +278,21 @@ class OrtCpuBackend:
         b = _SlotBinding(io=self.session.io_binding(), ids=np.zeros((2, n, t), np.int64),
                          past_length=np.zeros(n, np.int64), keep=np.array([t], np.int64),
                          logits=np.zeros((n, t, s.vocab_size), np.float32),
-                         presents=presents, block=block)
-        for name, arr in (("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
-                          ("past_length", b.past_length), ("logits_to_keep", b.keep)):
+                         presents=presents, block=block, features_keep=np.array([f], np.int64),
+                         features_in=(np.zeros((n, t, s.features), np.float32)
+                                      if s.reads_features else None),
+                         features_out=(np.zeros((n, f if s.keeps_features else t, s.features),
+                                                np.float32) if s.features else None))
+        ints = [("input_ids", b.ids[0]), ("position_ids", b.ids[1]),
+                ("past_length", b.past_length), ("logits_to_keep", b.keep)]
+        if s.keeps_features:
+            ints.append((FEATURES_KEEP, b.features_keep))
+        for name, arr in ints:
             b.io.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+        for name, arr, bind in ((FEATURES_IN, b.features_in, b.io.bind_input),
+                                (FEATURES_OUT, b.features_out, b.io.bind_output)):
+            if arr is not None:
+                bind(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
         for j, name in enumerate(self._inputs[4:4 + 2 * s.num_layers]):
             plane = block[j]
             b.io.bind_input(name, "cpu", 0, np.float32, list(plane.shape), plane.ctypes.data)
@@ -282,6 +315,9 @@ class _SlotBinding:
     logits: np.ndarray       # [n, T, vocab]
     presents: np.ndarray | None  # [2 * layers, n, kv_heads, T, head_dim]; None: in place
     block: np.ndarray        # the slots' planes, held while bound
+    features_keep: np.ndarray  # [1] = F: T, or 0 where `keep_features` is off
+    features_in: np.ndarray | None   # [n, T, H], a feature draft's input
+    features_out: np.ndarray | None  # [n, F, H] (a draft's: [n, T, H]), feature output
 
 
 def check_batch_rows(spec: ModelSpec) -> None:
@@ -294,10 +330,6 @@ def check_batch_rows(spec: ModelSpec) -> None:
     if not spec.batch_rows:
         raise ValueError(f"{spec.path} takes one row a call (bundle format 3 or older): "
                          "re-export the bundle for batched decoding")
-    if spec.features:
-        raise ValueError(f"{spec.path} has feature-draft I/O, which batched decoding does "
-                         "not feed yet: export the bundle with a model draft (--draft-layers "
-                         "N or a model draft folder) or none")
 
 
 def _check_graph(session, spec: ModelSpec, names: list[str]) -> None:

@@ -19,8 +19,11 @@ class FeatureDrafter(ModelDrafter):
 
     needs_features = True
 
-    def __init__(self, backend: Backend):
-        super().__init__(backend)
+    def __init__(self, backend: Backend, kept: int = 0):
+        """`kept`: rows of the backend's cache that hold the pairs of the prompt's first
+        tokens already, built on the target's features (a batch slot's rows of an earlier
+        sequence, runtime/batch.py)."""
+        super().__init__(backend, kept)
         self.target_features = None  # [capacity, H]: the target's f_r by position r
         self.exact_rows = 0          # cache rows built on target features only
         self._predicted = None       # [1, H]: the draft's latest f^
@@ -30,8 +33,8 @@ class FeatureDrafter(ModelDrafter):
             self.cache = self.backend.new_cache(capacity)
             self.target_features = np.zeros((capacity, self.backend.spec.features),
                                             np.float32)
-        self.cache.rollback(0)
-        self.exact_rows = 0
+        self.cache.rollback(min(self.cache.length, self.kept))
+        self.exact_rows = self.cache.length
 
     def observe(self, features: np.ndarray, start: int) -> None:
         """The target's features for positions [start, start + T), from its last call."""

@@ -22,6 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The command line of this interpreter's specedge, whether or not its venv is on PATH.
+SPECEDGE = [sys.executable, "-m", "specedge.cli"]
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_SETS = {"bench": None, "examples": REPO / "docs" / "examples" / "prompts.jsonl"}
 
@@ -70,7 +73,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     bundle = args.bundle or args.out / "bundle"
     if args.bundle is None:
-        subprocess.run(["specedge", "export", args.model, "--draft", str(args.draft),
+        subprocess.run([*SPECEDGE, "export", args.model, "--draft", str(args.draft),
                         "--precision", args.precision, "--out", str(bundle)], check=True,
                        stdout=subprocess.DEVNULL)
     report = {"draft": str(args.draft), "bundle": str(bundle), "model": args.model,
@@ -82,7 +85,7 @@ def main() -> None:
         draft_agreement.agreement(draft, runs, target)  # adds the earlier layers' outputs
         steps = draft_agreement.step_agreement(draft, runs, args.steps)
         out = args.out / name
-        command = ["specedge", "bench", "--bundle", str(bundle), "--baselines", "--ks",
+        command = [*SPECEDGE, "bench", "--bundle", str(bundle), "--baselines", "--ks",
                    *map(str, args.ks), "--max-new-tokens", str(args.max_new_tokens),
                    "--out", str(out)]
         if prompts:

@@ -133,14 +133,26 @@ def test_batched_attention_is_refused_where_it_cannot_be(capsys, tiny_checkpoint
     assert not out.exists()
 
 
-def test_a_feature_draft_has_no_batched_attention(tiny_checkpoints, tmp_path):
-    import torch
-
-    from specedge.export.drafts.feature import FeatureDraft
-    from specedge.export.graph.trace import export_onnx
-    from specedge.export.sources import load_model
-
-    target, _ = load_model(tiny_checkpoints["llama-h16"])
-    draft = FeatureDraft(target, torch.arange(16))
-    with pytest.raises(ValueError, match="feature draft has no batched attention"):
-        export_onnx(draft, tmp_path / "d.onnx", attention="batched")
+def test_a_feature_draft_exports_batched(feature_draft, tiny_checkpoints, tmp_path):
+    """The feature draft's layer runs on batched attention as the target's do: both graphs
+    pass --verify, the draft's in place with one Attention and two TensorScatter nodes,
+    and greedy speculative decoding on it equals plain decoding."""
+    out = tmp_path / "b"
+    manifest = export_bundle(str(tiny_checkpoints["llama"]), out, draft=str(feature_draft[0]),
+                             attention="batched", verify=True)
+    draft = manifest["models"]["draft"]
+    assert manifest["verify"]["draft"]["ok"] and manifest["verify"]["target"]["ok"]
+    assert draft["reads_features"] and draft["attention"] == "batched"
+    assert draft["kv_layout"] == "bhsd-inplace"
+    ops = Counter(n.op_type for n in _graph(out / draft["file"]).graph.node)
+    assert ops["Attention"] == 1 and ops["TensorScatter"] == 2
+    assert ops["GroupQueryAttention"] == 0
+    gen = Generator.from_bundle(out)
+    drafted = 0
+    for prompt in ("hello world", "the cat sat"):
+        plain = gen.generate(prompt, raw=True, max_new_tokens=32, use_draft=False)
+        spec = gen.generate(prompt, raw=True, max_new_tokens=32, draft_tokens=3,
+                            drafter="model")
+        assert spec.token_ids == plain.token_ids
+        drafted += spec.stats["drafted_tokens"]
+    assert drafted > 0
