@@ -157,3 +157,14 @@ def test_alone_in_a_batch_session_a_sequence_drafts_where_two_tokens_cost_what_o
     assert line[1:] == pytest.approx([0.0094, 0.0119], abs=2e-4)
     assert best_k([0.3], 0.0015, line, 1) == 0
     assert best_k([0.3], 0.0015, costs.verify(1, 2), 1) == 1
+
+
+def test_draft_calls_are_priced_by_their_token_rows():
+    """A draft call of B rows of T tokens (a catch-up takes two or more) costs what B T
+    one-token rows do: calls of several shapes whose seconds follow 1 ms + 2 ms a token-row
+    give d(B) = 1 ms + 2 ms B, the cost of a drafting step of one token a row."""
+    costs = BatchCosts()
+    for rows, tokens in ((1, 1), (2, 2), (1, 3), (3, 1), (2, 3), (4, 1)):
+        costs.observe(False, rows, tokens, 0.001 + 0.002 * rows * tokens)
+    for rows in (1, 2, 4, 8):
+        assert costs.draft(rows) == pytest.approx(0.001 + 0.002 * rows)

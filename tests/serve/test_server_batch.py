@@ -74,8 +74,11 @@ def test_concurrent_requests_share_calls_and_get_their_own_answers(server, gen):
 def test_a_request_cancelled_mid_batch_ends_alone(server, gen):
     """A streamed request whose client goes away after a few chunks is cancelled at the
     next step; the two requests in the batch with it finish with their whole answers, and
-    the server takes the next request."""
-    long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+    the server takes the next request. The cancelled request asked for 480 tokens, a
+    target call each: the target calls the three made (/metrics) stay far below that, so
+    its cancel reached the batch."""
+    calls0, _ = _batch_rows(server)
+    long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0,
             "stream": True, "speculative": {"enabled": False}}
     results = {}
 
@@ -103,6 +106,8 @@ def test_a_request_cancelled_mid_batch_ends_alone(server, gen):
             time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(server.url + "/health").json()["running"] == 0
+    calls, _ = _batch_rows(server)
+    assert calls - calls0 < 300  # the companions' 2 x 60 tokens, and a few of the long one's
     after = server.client().completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=8,
                                                temperature=0)
     assert after.choices[0].text == gen.generate(PROMPTS[3], raw=True, max_new_tokens=8).text
@@ -163,3 +168,43 @@ def test_one_request_at_a_time_the_prompt_cache_goes_to_the_generator(tiny_batch
     finally:
         engine.stop()
         engine.join(10)
+
+
+def test_failed_batched_jobs_free_their_slots():
+    """A batched job whose generation raises is answered with its error and leaves the
+    running jobs: after more failures than `max_batch`, the worker still runs the next
+    job (a failed job left counted as running would take a slot for good)."""
+    import asyncio
+
+    from specedge.runtime.config import GenerationConfig
+    from specedge.serve.worker import Job, Worker
+
+    class Session:
+        def run(self, prompt_ids, config, cancel=None):
+            if prompt_ids == [0]:
+                raise RuntimeError("the model failed")
+            yield "piece"
+            return "result"
+
+    async def main() -> list[list[tuple[str, object]]]:
+        worker = Worker(max_queue=8, max_batch=2)
+        worker.generator, worker.session = object(), Session()
+        worker.start()
+        loop = asyncio.get_running_loop()
+        jobs = [Job([0], GenerationConfig(), loop) for _ in range(3)]
+        jobs.append(Job([1], GenerationConfig(), loop))
+        events = []
+        for job in jobs:
+            worker.submit(job)
+            got = []
+            while not got or got[-1][0] not in ("done", "error"):
+                got.append(await asyncio.wait_for(job.events.get(), 10))
+            events.append(got)
+        worker.stop()
+        assert worker.running == 0
+        return events
+
+    events = asyncio.run(main())
+    for got in events[:3]:
+        assert got[-1][0] == "error" and "the model failed" in str(got[-1][1])
+    assert events[3] == [("piece", "piece"), ("done", "result")]
