@@ -143,8 +143,8 @@ def export_bundle(model: str, out: str | Path, draft: str | None = None,
     much (the check runs on the fp32 graphs, before quantization). A `precision` other than fp32
     quantizes both graphs and records the quantized target's agreement with fp32.
     `attention`: "fused" (GroupQueryAttention: ONNX Runtime CPU only), "batched" (ONNX's
-    Attention, in place: ONNX Runtime CPU, batched decoding), "portable", or "auto" (fused
-    for int8 and int4 graphs where the model allows it). `draft_head_tokens`: how many tokens a
+    Attention, in place: ONNX Runtime CPU, batched decoding), "portable", or "auto"
+    (batched for int8 and int4 graphs, else portable). `draft_head_tokens`: how many tokens a
     truncated or checkpoint draft's head scores, an integer, "all", or "auto"/None
     (drafts/truncated.py `draft_head_size`). `int4_grid`: how int4 holds a weight
     (export/quantize.py `INT4_GRIDS`); `int4_block` and `int4_head_bits`: its block and the

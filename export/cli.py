@@ -59,14 +59,12 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="int4 only: bits of the LM head's weights (default 8, as llama.cpp "
                    "keeps its output tensor; 4 runs faster and approximates more)")
     p.add_argument("--attention", choices=("auto", "fused", "batched", "portable"), default="auto",
-                   help="fused: ONNX Runtime's GroupQueryAttention, which writes the KV "
-                   "cache in place and reads only its valid rows (ort-cpu only; head size a "
-                   "multiple of 8); batched: ONNX's Attention with the cache written in "
-                   "place, for batched decoding (serve --max-batch) at every precision "
-                   "(ort-cpu only; no sliding windows; a one-sequence step a little slower "
-                   "than fused); portable: standard ONNX operators, for every backend; auto "
-                   "(default): fused for int8/int4 where the model allows it, else "
-                   "portable")
+                   help="batched: ONNX's Attention with the cache written in place, exact "
+                   "alone and in batches (serve --max-batch) on x86 and aarch64 (ort-cpu "
+                   "only, onnxruntime >= 1.31); fused: ONNX Runtime's GroupQueryAttention, "
+                   "which reads only the cache's valid rows but batches not (ort-cpu only; "
+                   "head size a multiple of 8); portable: standard ONNX operators, for every "
+                   "backend; auto (default): batched for int8/int4, portable for fp32/fp16")
     p.add_argument("--verify", action="store_true",
                    help="compare the graphs with transformers; fail if they disagree")
     p.add_argument("--backend", type=export_backend, default="onnx", metavar="{onnx,tensorrt}",
@@ -318,7 +316,7 @@ def run(args: argparse.Namespace) -> None:
               f"{q.get('batch_max_logit_diff', 0):.1e} between a 4-token call and 4 steps"
               + ("" if q.get("batch_invariant", True) else " (not batch invariant: greedy "
                  "speculative output can part from plain decoding at near ties; the default "
-                 "fused attention avoids this)"),
+                 "batched attention avoids this)"),
               file=sys.stderr)
     models = {role: m["file"] for role, m in manifest["models"].items()}
     out = {"bundle": args.out, "models": models}

@@ -54,8 +54,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for the generator; more get 429 (default 32)")
     p.add_argument("--max-batch", type=int, default=SERVER.max_batch,
                    help="requests generated at once, their steps sharing each model call "
-                   "(continuous batching); more than 1 needs a bundle exported with "
-                   "--attention batched (exact at every precision) or portable (default 1: "
+                   "(continuous batching); more than 1 needs batched attention (int8/int4 "
+                   "bundles by default; exact at every precision) or portable (default 1: "
                    "one at a time)")
     p.add_argument("--prompt-cache-mb", type=int, default=SERVER.prompt_cache_mb,
                    help="on a bundle exported with --attention batched: host memory (MiB) "

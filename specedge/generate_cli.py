@@ -114,7 +114,7 @@ def _same_tokens(spec: list[int], plain: list[int], manifest: dict) -> str:
     why = ("this bundle's quantized graphs are not batch invariant (a (K+1)-token "
            "verification and one-token steps differ by up to "
            f"{quantized.get('batch_max_logit_diff', 0):.2g} logits in the export's check), so a "
-           "close call can go either way; export with the default fused attention, or fp32, "
+           "close call can go either way; export with the default batched attention, or fp32, "
            "for plain decoding's tokens"
            if quantized.get("batch_invariant") is False
            else "a near tie went the other way between a (K+1)-token call and one-token steps")

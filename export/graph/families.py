@@ -30,13 +30,14 @@ ATTENTIONS = ("auto", "fused", "batched", "portable")  # `specedge export --atte
 def attention_form(attention: str, precision: str, config) -> str:
     """The attention form a graph gets, for a Hugging Face `config` (graph/attention.py):
     "portable", "fused" (GroupQueryAttention, KV layout "bhsd-inplace") or "batched"
-    (ONNX's Attention, in place too; asked for only). `auto` picks fused where ONNX Runtime
-    CPU is the only runtime for the graph anyway (int8 and int4: TensorRT cannot parse
-    MatMulNBits) and the model can have it, which is what keeps int8/int4 greedy
-    speculative output equal to plain decoding (docs/design.md, "Batch invariance of
-    quantized graphs"). The CPU kernel needs a head size
-    that is a multiple of 8; it rotates q and k itself where `kernel_rotates`, and the graph
-    rotates them before it otherwise."""
+    (ONNX's Attention, in place too). `auto` picks batched where ONNX Runtime CPU is the
+    only runtime for the graph anyway (int8 and int4: TensorRT cannot parse MatMulNBits):
+    it computes a row alike in every call of two tokens or more, alone or beside other
+    rows, on x86 and aarch64, which keeps int8/int4 greedy speculative output equal to
+    plain decoding, one sequence or several (docs/design.md, "Batch invariance of quantized
+    graphs"); its one-sequence step runs as fast as fused's (docs/export.md, "Attention").
+    Fused needs a head size that is a multiple of 8 (the CPU kernel); it rotates q and k
+    itself where `kernel_rotates`, and the graph rotates them before it otherwise."""
     if attention not in ATTENTIONS:
         raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, "
                          f"got {attention!r}")
@@ -47,8 +48,7 @@ def attention_form(attention: str, precision: str, config) -> str:
                          f"({config.model_type!r}): export it with --attention portable")
     if attention in ("fused", "batched"):
         return attention
-    fused = attention == "auto" and head % 8 == 0 and precision in ("int8", "int4")
-    return "fused" if fused else "portable"
+    return "batched" if attention == "auto" and precision in ("int8", "int4") else "portable"
 
 
 def kernel_rotates(config) -> bool:

@@ -88,7 +88,7 @@ def test_family_exports_and_decodes_as_transformers(arch, attention, checkpoints
 
 @pytest.mark.parametrize("arch", MORE_ARCHITECTURES)
 def test_family_int8_exports_and_decodes(arch, checkpoints, draft_checkpoints, tmp_path):
-    """int8 (fused attention by default: every tiny model here can have it), with a draft
+    """int8 (batched attention by default), with a draft
     given by --draft, exports, stays close to fp32, and decodes; speculative equals plain
     on it."""
     manifest = export_bundle(str(checkpoints[arch]), tmp_path / "b",
@@ -172,13 +172,13 @@ def test_phi3_longrope_context_stops_at_the_original_length(checkpoints, tmp_pat
 def test_the_graph_rotates_where_the_kernel_cannot(arch, kwargs, rotary):
     """ONNX Runtime's GroupQueryAttention rotates a multiple of 16 dims of heads of a
     multiple of 16: a model without that (head size 32 with 24 rotary dims, or heads of 8)
-    still gets fused attention from auto at int8, with q and k rotated in the graph (whose
+    can have fused attention, with q and k rotated in the graph (whose
     eager form is checked against transformers above)."""
     cfg = tiny_more(arch, **kwargs).config
     dims = model_dims_of(cfg)
     rotated = int(dims["head_dim"] * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
     assert rotated == rotary
-    assert attention_form("auto", "int8", cfg) == "fused"
+    assert attention_form("fused", "int8", cfg) == "fused"
     assert attention_form("auto", "fp32", cfg) == "portable"
     assert not kernel_rotates(cfg)
     assert kernel_rotates(tiny_more(arch).config)

@@ -195,17 +195,18 @@ def test_attention_choice(tiny_checkpoints, tmp_path):
     h8 = AutoConfig.from_pretrained(tiny_checkpoints["llama"])
     gpt2 = AutoConfig.from_pretrained(tiny_checkpoints["gpt2"])
     h6 = AutoConfig.from_pretrained(save_tiny(tmp_path / "h6", "llama", hidden_size=24))
-    # auto: fused for every quantized graph (ONNX Runtime CPU only anyway) that can have it,
-    # so that int8/int4 stay batch invariant; GroupQueryAttention needs heads of 8k dims
-    for config in (h16, h8, gpt2):
-        assert attention_form("auto", "int8", config) == "fused"
-        assert attention_form("auto", "int4", config) == "fused"
+    # auto: batched for every quantized graph (ONNX Runtime CPU only anyway), so that
+    # int8/int4 stay batch invariant, alone and in batches; portable for fp32/fp16 (every
+    # backend). GroupQueryAttention needs heads of 8k dims; batched takes any.
+    for config in (h16, h8, gpt2, h6):
+        assert attention_form("auto", "int8", config) == "batched"
+        assert attention_form("auto", "int4", config) == "batched"
         assert attention_form("auto", "fp32", config) == "portable"
         assert attention_form("auto", "fp16", config) == "portable"
-        assert attention_form("fused", "fp32", config) == "fused"
-        assert attention_form("batched", "int4", config) == "batched"  # asked for only
+        assert attention_form("batched", "fp32", config) == "batched"
         assert attention_form("portable", "int8", config) == "portable"
-    assert attention_form("auto", "int8", h6) == "portable"
+    for config in (h16, h8, gpt2):
+        assert attention_form("fused", "fp32", config) == "fused"  # asked for only
     with pytest.raises(ValueError, match="multiple of 8.*not 6"):
         attention_form("fused", "int8", h6)
     with pytest.raises(ValueError, match="--attention must be one of"):

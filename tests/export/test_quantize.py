@@ -76,16 +76,16 @@ class _Graph:
     contract written out again, so that the report is checked against what the graph
     computes, not against the runtime's backends or the product's formulas. Portable
     graphs read past rows [0, past_length) of a fixed-capacity buffer and return the T new
-    rows; fused graphs (GroupQueryAttention) return the whole buffers with the rows
-    written, and take a one-token step as two rows, the token twice, keeping the first
-    (the runtime's batch-invariant step, docs/design.md)."""
+    rows; in-place graphs (GroupQueryAttention, or TensorScatter and Attention) return
+    the whole buffers with the rows written, and take a one-token step as two rows, the
+    token twice, keeping the first (the runtime's batch-invariant step, docs/design.md)."""
 
     def __init__(self, path, capacity: int):
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         self.kv = {i.name: np.zeros((1, i.shape[1], capacity + 1, i.shape[3]), np.float32)
                    for i in self.session.get_inputs() if i.name.startswith("past_key_values")}
         self.outputs = [o.name for o in self.session.get_outputs()]
-        self.in_place = any(n.op_type == "GroupQueryAttention"
+        self.in_place = any(n.op_type in ("GroupQueryAttention", "TensorScatter")
                             for n in onnx.load(str(path), load_external_data=False).graph.node)
         self.length = 0
 
