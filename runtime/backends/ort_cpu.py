@@ -4,6 +4,7 @@ session every ONNX Runtime backend opens (checked against the bundle's contract)
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,11 @@ from specedge.runtime.kv_cache import (
 )
 
 MAX_KEPT_T = 16
+# Host memory for the buffers of `forward_slots`' bindings, one per call shape (first slot,
+# rows, tokens, kept features) and each with a [rows, T, vocab] logits buffer (SmolLM2: 7.9
+# MB for 8 rows of 5 tokens): kept up to this many bytes, the least recently used dropped
+# first, so that a long-running server's bindings stay bounded whatever shapes it meets.
+SLOT_BINDING_BYTES = 256 * 2**20
 # The first ONNX Runtime whose CPU GroupQueryAttention takes position_ids, which the fused
 # graphs feed it (microsoft/onnxruntime#23944); tested with 1.31.
 MIN_ORT_FUSED = (1, 22)
@@ -96,7 +102,9 @@ class OrtCpuBackend:
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
         # Calls on several slots of the SlotCaches held (`forward_slots`), per (lo, n, T, F).
         self._slot_caches: SlotCaches | None = None
-        self._slot_bindings: dict[tuple[int, int, int, int], _SlotBinding] = {}
+        self._slot_bindings: OrderedDict[tuple[int, int, int, int], _SlotBinding] = \
+            OrderedDict()
+        self.slot_binding_bytes = SLOT_BINDING_BYTES
         self.run_seconds = 0.0  # inside ONNX Runtime, for the share of time outside models
         self.features: np.ndarray | None = None  # [T, H] of the last call (feature output)
         # Each row's [len, H] of the last `forward_slots` call (feature output).
@@ -190,7 +198,7 @@ class OrtCpuBackend:
         """Drop every binding: the buffers of a cache they point to were replaced
         (SlotCaches.grow)."""
         self._cache, self._bindings = None, {}
-        self._slot_caches, self._slot_bindings = None, {}
+        self._slot_caches, self._slot_bindings = None, OrderedDict()
 
     def new_slot_caches(self, slots: int, spare: int = 0) -> SlotCaches:
         """The caches of `slots` sequences decoded together (batch.py), GROWTH_STEP rows
@@ -238,12 +246,9 @@ class OrtCpuBackend:
                 len(features.get(slot, ())) != len(ids) for slot, ids in rows.items())):
             raise ValueError("a feature draft needs features for each token of each row")
         if self._slot_caches is not caches:
-            self._slot_caches, self._slot_bindings = caches, {}
+            self._slot_caches, self._slot_bindings = caches, OrderedDict()
         f = t if self.keep_features or not s.keeps_features else 0
-        key = (lo, n, t, f)
-        b = self._slot_bindings.get(key)
-        if b is None:
-            b = self._slot_bindings[key] = self._bind_slots(caches, lo, n, t, f)
+        b = self._slot_binding(caches, (lo, n, t, f))
         fill_slot_inputs(caches.slots, lo, rows, s.max_context, *b.ids, b.past_length)
         if b.features_in is not None:
             # A row padded to T repeats its last feature, as its tokens repeat their last;
@@ -266,6 +271,25 @@ class OrtCpuBackend:
         self.slot_features = None if b.features_out is None or not f else {
             slot: b.features_out[slot - lo, :len(tokens)] for slot, tokens in rows.items()}
         return logits
+
+    def _slot_binding(self, caches: SlotCaches, key: tuple[int, int, int, int]
+                      ) -> _SlotBinding:
+        """The binding of a call shape (lo, n, T, F), made if need be; the bindings' buffers
+        kept within `slot_binding_bytes`, the least recently used dropped first."""
+        b = self._slot_bindings.get(key)
+        if b is not None:
+            self._slot_bindings.move_to_end(key)
+            return b
+        b = self._slot_bindings[key] = self._bind_slots(caches, *key)
+        while len(self._slot_bindings) > 1 and self.slot_bindings_nbytes > \
+                self.slot_binding_bytes:
+            self._slot_bindings.popitem(last=False)
+        return b
+
+    @property
+    def slot_bindings_nbytes(self) -> int:
+        """Host memory held by the bindings of `forward_slots` (their own buffers)."""
+        return sum(b.nbytes for b in self._slot_bindings.values())
 
     def _bind_slots(self, caches: SlotCaches, lo: int, n: int, t: int, f: int
                     ) -> _SlotBinding:
@@ -318,6 +342,13 @@ class _SlotBinding:
     features_keep: np.ndarray  # [1] = F: T, or 0 where `keep_features` is off
     features_in: np.ndarray | None   # [n, T, H], a feature draft's input
     features_out: np.ndarray | None  # [n, F, H] (a draft's: [n, T, H]), feature output
+
+    @property
+    def nbytes(self) -> int:
+        """The buffers it owns (not the slots' planes, which the caches own)."""
+        return sum(a.nbytes for a in (self.ids, self.past_length, self.keep, self.logits,
+                                      self.presents, self.features_keep, self.features_in,
+                                      self.features_out) if a is not None)
 
 
 def check_batch_rows(spec: ModelSpec) -> None:

@@ -109,6 +109,33 @@ def test_rows_of_one_call_equal_the_same_calls_alone(batchable):
     assert np.array_equal(caches.slots[2].planes[..., :kept, :], idle[..., :kept, :])
 
 
+def test_call_shape_bindings_stay_within_their_memory_budget(tiny_batched_bundle):
+    """Each call shape (first slot, rows, tokens) binds buffers of its own; past the
+    backend's budget the least recently used go, and a shape met again binds anew and
+    computes what it did."""
+    spec = load_bundle(tiny_batched_bundle).target
+    backend = OrtCpuBackend(spec)
+    caches = SlotCaches(spec.num_layers, spec.num_kv_heads, spec.head_dim, 64, 4,
+                        spare=MAX_BATCHED_TOKENS)
+    shapes = [{0: [5], 1: [6]}, {0: [5, 6, 7]}, {1: [8], 2: [9, 10], 3: [11]},
+              {0: [5], 1: [6]}]
+    backend.forward_slots(caches, 0, shapes[0])
+    one = backend.slot_bindings_nbytes
+    backend.slot_binding_bytes = 2 * one  # room for two small shapes, not for all three
+    got = []
+    for rows in shapes:
+        for slot in caches.slots:
+            slot.rollback(0)
+        out = backend.forward_slots(caches, min(rows), rows)
+        got.append({s: out[s].copy() for s in rows})
+        # Within the budget, or the one binding the call needs.
+        assert (backend.slot_bindings_nbytes <= backend.slot_binding_bytes
+                or len(backend._slot_bindings) == 1)
+    assert len(backend._slot_bindings) < 3  # of the three shapes met
+    for s in shapes[0]:
+        assert np.array_equal(got[0][s], got[3][s])
+
+
 def test_a_row_does_not_depend_on_the_slots_capacity(batchable):
     """The graph attends over every row of the capacity, masked past each row's length,
     so the session may raise and cut the capacity between calls (`_run_group`): the same
