@@ -150,16 +150,21 @@ class _Meeting:
     arrivals: threading.Lock = field(default_factory=threading.Lock)
     # Slots of the sequences whose first token is out: those a prompt's reading holds up.
     streaming: set[int] = field(default_factory=set)
+    # The thread that last advanced each running sequence, by slot: a call that waits for a
+    # companion its own thread advances would wait for ever (`call`).
+    threads: dict[int, int] = field(default_factory=dict)
 
     def join(self, slot: int, tokens: int) -> None:
         with self.arrivals:
             self.reading[slot] = tokens
         with self.done:
             self.running += 1
+            self.threads[slot] = threading.get_ident()
 
     def leave(self, slot: int) -> None:
         with self.done:
             self.running -= 1
+            self.threads.pop(slot, None)
             self.streaming.discard(slot)
             with self.arrivals:
                 self.reading.pop(slot, None)
@@ -173,6 +178,15 @@ class _Meeting:
 
     def call(self, call: _Call) -> np.ndarray:
         with self.done:
+            me = threading.get_ident()
+            self.threads[call.slot] = me
+            waiting = {c.slot for c in self.waiting}
+            if any(thread == me and slot != call.slot and slot not in waiting
+                   for slot, thread in self.threads.items()):
+                raise RuntimeError(
+                    "two sequences of one BatchSession are advanced on the same thread, so "
+                    "each waits for the other's model call: run each BatchSession.run on a "
+                    "thread of its own (BatchGenerator does), or one after the other")
             self.waiting.append(call)
             self._run_when_all_wait()
             while call.logits is None and call.error is None:
@@ -212,14 +226,17 @@ class _Meeting:
                 rows = _run_group(model, group, observe)
                 if model is self.target and self.on_call and rows:
                     self.on_call(rows)
-            except BaseException as e:  # every waiting sequence learns of it
+                if model is self.target:
+                    self._hold_first_tokens(group)
+            except BaseException as e:  # the calls it leaves unanswered learn of it
                 for c in group:
-                    if c.logits is None:
-                        c.error = e
-            if model is self.target:
-                self._hold_first_tokens(group)
-        self._deliver()
-        self.done.notify_all()
+                    if c.logits is None and c.error is None:
+                        c.read, c.error = None, e
+                self.waiting = [c for c in self.waiting if c.error is None]
+        try:
+            self._deliver()
+        finally:
+            self.done.notify_all()
 
     def _hold_first_tokens(self, group: list[_Call]) -> None:
         """Count the prompt tokens the target's `group` read, and hold back the first
@@ -275,8 +292,17 @@ def _run_group(model: _Model, group: list[_Call],
     """One model's waiting calls: the short ones in one call, prompts one by one; the
     slots' capacity first raised where a call needs more rows, or cut where the sequences
     that needed it have left (the graph attends over all of it). Returns the rows of the
-    batched call (0: none); `observe(rows, tokens, seconds)` is told its shape and time."""
+    batched call (0: none); `observe(rows, tokens, seconds)` is told its shape and time.
+    A call that cannot run (past the context) gets its error alone, as does a prompt's call
+    that fails; the others run. A batched call that fails fails its rows."""
     caches, backend = model.caches, model.backend
+    for c in group:
+        if caches.slots[c.slot].length + len(c.tokens) > model.max_context:
+            c.error = ValueError(f"{caches.slots[c.slot].length + len(c.tokens)} tokens do "
+                                 f"not fit the model's context of {model.max_context}")
+    group = [c for c in group if c.error is None]
+    if not group:
+        return 0
     held = max((slot.length for i, slot in enumerate(caches.slots) if i not in model.kept),
                default=0)
     need = max(caches.slots[c.slot].length + len(c.tokens) for c in group)
@@ -294,9 +320,13 @@ def _run_group(model: _Model, group: list[_Call],
                 backend.keep_features = c.keep_features
             # A copy: a backend's logits (and features) are views that its next call
             # overwrites.
-            c.logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep,
-                                       c.features).copy()
-            c.features_out = None if backend.features is None else backend.features.copy()
+            try:
+                logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep, c.features)
+                c.features_out = None if backend.features is None else \
+                    backend.features.copy()
+                c.logits = logits.copy()
+            except Exception as e:  # this sequence's alone
+                c.error = e
     if short:
         start = time.perf_counter()
         tokens = {s: c.tokens for s, c in short.items()}

@@ -291,7 +291,11 @@ def test_long_prompts_run_in_chunks_and_stay_exact(batched_bundles, monkeypatch)
 
 
 def run_to_end(session: BatchSession, ids: list[int], config: GenerationConfig) -> list[int]:
-    pieces = session.run(ids, config)
+    return run_to_end_of(session.run(ids, config))
+
+
+def run_to_end_of(pieces) -> list[int]:
+    """The token ids of a sequence's generation, its pieces run to the end."""
     try:
         while True:
             next(pieces)
@@ -722,3 +726,63 @@ def test_an_error_in_one_sequence_reaches_the_caller_and_frees_the_others(gen, m
             batcher.generate(requests)
     results = batcher.generate(requests)
     assert len(results[1].token_ids) == 8 and results[0].stats["drafted_tokens"] > 0
+
+
+def test_a_failing_call_fails_its_own_sequence_alone(batched_bundles, monkeypatch):
+    """A sequence streams; a second joins, and its prompt's first chunk, which meets the
+    first sequence's step, fails in the model (a prompt chunk runs on a row of its own). The
+    second ends with its error; the first finishes with its plain decoding alone's tokens,
+    and the session serves the next sequence."""
+    gen = Generator.from_bundle(batched_bundles["int4"])
+    prompts = [gen.encode_prompt(p, raw=True) for p in PROMPTS[:2]]
+    assert len(prompts[1]) > PREFILL_CHUNK  # read in chunks beside a stream
+    config = GenerationConfig(max_new_tokens=24, drafter="model", draft_tokens=2)
+    alone = gen.generate(prompt_ids=prompts[0], max_new_tokens=24, use_draft=False).token_ids
+    session = BatchSession(gen, 2)
+    real = OrtCpuBackend.forward
+
+    def forward(self, cache, token_ids, *args, **kwargs):
+        if cache.length == 0 and list(token_ids) == prompts[1][:len(token_ids)]:
+            raise RuntimeError("the model failed on this prompt")
+        return real(self, cache, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(OrtCpuBackend, "forward", forward)
+    streaming, results = threading.Event(), {}
+
+    def first() -> None:
+        pieces = session.run(prompts[0], config)
+        next(pieces)
+        streaming.set()
+        wait_until_running(session, 2)  # its next step meets the second's first chunk
+        results[0] = run_to_end_of(pieces)
+
+    def second() -> None:
+        streaming.wait(60)
+        try:
+            results[1] = run_to_end(session, prompts[1], config)
+        except RuntimeError as e:
+            results[1] = e
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert isinstance(results[1], RuntimeError) and "this prompt" in str(results[1])
+    assert results[0] == alone
+    monkeypatch.undo()
+    assert run_to_end(session, prompts[0], config) == alone
+    assert session.running == 0
+
+
+def test_two_sequences_on_one_thread_raise_instead_of_waiting_for_ever(gen):
+    """Iterated in turns on one thread, each of two sequences would wait for the other's
+    call: the second to call learns why, the first goes on."""
+    session = BatchSession(gen, 2)
+    config = GenerationConfig(max_new_tokens=8, use_draft=False)
+    first = session.run(gen.encode_prompt("hello world", raw=True), config)
+    second = session.run(gen.encode_prompt("why?", raw=True), config)
+    next(first)
+    with pytest.raises(RuntimeError, match="on the same thread"):
+        next(second)
+    assert len(run_to_end_of(first)) == 8
