@@ -512,10 +512,12 @@ class BatchSession:
                     for m in self.models]
             if self.feature_draft:
                 # A feature draft's row r pairs the target's feature at r with token r + 1:
-                # it keeps the rows of pairs inside the shared prefix, and the target
-                # recomputes from where they end, for the features of those positions.
+                # it keeps the rows of pairs inside the shared prefix, and a sequence that
+                # drafts with it has the target recompute from where they end, for the
+                # features of those positions.
                 kept[1] = max(0, min(kept[1], reuse - 1))
-                kept[0] = min(kept[0], kept[1])
+                if config.use_draft and config.drafter != "prompt-lookup":
+                    kept[0] = min(kept[0], kept[1])
             # The target reclaims its kept rows at its prompt's call, the sequence's first;
             # the draft keeps them counted from its start on, for its first call may come
             # many steps later (ModelDrafter.start).
@@ -537,7 +539,9 @@ class BatchSession:
                     cache.rollback(0)
                     continue
                 if i >= len(rows) or not rows[i].called:  # still the rows of `held`
-                    cache.rollback(min(cache.length, shared_prefix(held, tokens)))
+                    # (a feature draft's row r reads token r + 1: one row fewer)
+                    shared = shared_prefix(held, tokens) - (i == 1 and self.feature_draft)
+                    cache.rollback(min(cache.length, max(shared, 0)))
                 elif isinstance(drafter, FeatureDrafter) and i == 1:
                     # Only rows built on the target's features (a step cut short may
                     # leave rows of predicted ones).

@@ -71,3 +71,22 @@ def test_a_feature_draft_reads_the_targets_features_of_its_own_positions(
         expected = gen.target.features[first:len(context) - 1]
         assert np.all(np.abs(rows).max(axis=1) > 0)
         np.testing.assert_allclose(rows, expected, atol=1e-4)
+
+
+def test_a_sequence_that_does_not_draft_with_the_features_keeps_all_the_targets_rows(
+        feature_batched, monkeypatch):
+    """Only a sequence that drafts with the feature draft needs the target's features of
+    the positions past the draft's kept rows; one decoding plainly (or by prompt lookup)
+    reuses every row of the target that its slot kept, and equals plain decoding alone."""
+    gen = feature_batched
+    session = BatchGenerator(gen, 2).session
+    first = gen.encode_prompt(PROMPTS[1], raw=True)
+    answer = run_to_end(session, first, GenerationConfig(max_new_tokens=12, drafter="model",
+                                                         draft_tokens=2))
+    second = first + answer + gen.encode_prompt(PROMPTS[3], raw=True)
+    calls = spy_calls(monkeypatch, gen)
+    got = run_to_end(session, second, GenerationConfig(max_new_tokens=16, use_draft=False))
+    held = len(first) + len(answer) - 1  # the last token has no row yet
+    assert calls[0] == ("target", len(second) - held)
+    monkeypatch.undo()
+    assert got == gen.generate(prompt_ids=second, max_new_tokens=16, use_draft=False).token_ids
