@@ -7,9 +7,9 @@ round by round.
         [--rounds 7] [--steps 64] [--json F]
 
 Options: `spin` (threads spin while they wait; default off), `t1` (one intra-op thread;
-default one per core), `onerow` (a one-token step as one row, not two: faster, but its
-logits are not a verification call's, so greedy speculative output could differ from plain
-decoding; a bound, not a setting), `feat` (the graph computes its feature-draft
+default one per core), `onerow` (a one-token step as one row, not two: what a Generator
+runs where runtime/one_row.py finds a one-row call equal to a verification call's rows; on
+other machines a bound, not a setting), `feat` (the graph computes its feature-draft
 features, as it does while a feature draft drafts; plain decoding skips them) E.g.
 
     python scripts/experiments/bench_steps.py exact:bundles/a exact-spin:bundles/a:spin \\
