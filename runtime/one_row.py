@@ -10,11 +10,13 @@ compute a one-row call as they compute a row of a larger one, the second row buy
 
 `one_row_is_exact` measures that on the bundle's own target graph, bit for bit, over the
 calls the loop makes: one-token steps after a prompt against the rows of one call of 2 and
-of AUTO_MAX_K + 1 tokens over the same tokens, at two cache lengths. Kernels take their path
+of AUTO_MAX_K + 1 tokens over the same tokens, at three cache lengths (PROBE_LENGTHS, as
+far as the context allows). Kernels take their path
 by the call's shape, not by the values, so random tokens show a second path where there is
 one. The answer is kept in the specedge cache (user_cache.py) under the graph file, the CPU
 (its name and instruction sets), the ONNX Runtime version and the thread count, so the
-probe (about 30 calls, 0.4 s for SmolLM2-135M int4 on 2 cores) runs once a machine.
+probe (about 40 calls, about a second for SmolLM2-135M int4 on 2 cores) runs once a
+machine.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from specedge.runtime.drafting.auto_k_file import cpu_name
 from specedge.runtime.user_cache import cache_root
 
 FILE = "one_row.json"
-PROBE_LENGTHS = (13, 70)  # cache lengths before the probed steps
+PROBE_LENGTHS = (13, 70, 400)  # cache lengths before the probed steps
 
 
 def one_row_is_exact(backend: OrtCpuBackend, threads: int | None,

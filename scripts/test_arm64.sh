@@ -118,8 +118,8 @@ print('python', platform.python_version(), platform.machine(), 'onnxruntime', on
 step "bundles exported on x86, and their reference decodes"
 "$PY" tests/tiny_bundles.py "$WORK/bundles" >"$WORK/export.log" 2>&1 \
     || { cat "$WORK/export.log"; exit 1; }
-# SmolLM2 int4: the recommended bundle (feature draft, fused attention), and on batched
-# attention with the 2-layer draft; exported once into the specedge cache.
+# SmolLM2 int4: the recommended bundle (feature draft, batched attention by default), and
+# the 2-layer draft on batched attention; exported once into the specedge cache.
 CACHED=${SPECEDGE_CACHE:-$HOME/.cache/specedge}/bundles
 smollm2() {  # NAME EXPORT-ARGUMENTS...: export (or reuse) and copy without auto K's file
     local name=$1
