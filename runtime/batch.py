@@ -321,9 +321,11 @@ def _run_group(model: _Model, group: list[_Call],
             # A copy: a backend's logits (and features) are views that its next call
             # overwrites.
             try:
-                logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep, c.features)
-                c.features_out = None if backend.features is None else \
-                    backend.features.copy()
+                # (only a feature draft takes features: the device backends take none)
+                extra = (c.features,) if backend.spec.reads_features else ()
+                logits = backend.forward(caches.slots[c.slot], c.tokens, c.keep, *extra)
+                features = getattr(backend, "features", None)
+                c.features_out = None if features is None else features.copy()
                 c.logits = logits.copy()
             except Exception as e:  # this sequence's alone
                 c.error = e

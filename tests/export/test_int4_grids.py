@@ -100,13 +100,14 @@ def test_the_search_grid_bundle_runs_one_matmul_a_weight(tiny_checkpoints, tmp_p
 
     out = tmp_path / "b"
     manifest = export_bundle(str(tiny_checkpoints["llama-h16"]), out, draft_layers=1,
-                             precision="int4", int4_grid="search")
+                             precision="int4", int4_grid="search", attention="fused")
     graph = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
     assert not [n for n in graph.node if n.name.endswith("_add_offset")]
     assert [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert manifest["source"]["int4_grid"] == "search"
     counts = manifest["models"]["target"]["optimized_nodes"]
-    # 4 MatMulNBits, 2 SkipSimplifiedLayerNormalization, attention, Split, QuickGelu, Mul.
+    # 4 MatMulNBits, 2 SkipSimplifiedLayerNormalization, attention, Split, QuickGelu, Mul
+    # (on fused attention: one GroupQueryAttention node).
     assert counts["all"] > 0 and counts["per_layer"] <= 10
     assert 0 <= manifest["quantization"]["greedy_agreement"] <= 1
     gen = Generator.from_bundle(out)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specedge.runtime import backends
+from specedge.runtime import atomic_files, backends
 from specedge.runtime.backends import device_sampling, gpu_info, sampling_kernels
 from specedge.runtime.backends.memory import HostMemory
 from specedge.runtime.errors import BackendUnavailableError
@@ -221,7 +221,7 @@ def test_entry_appears_only_complete(tmp_path, fake_compiles, monkeypatch):
     def no_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(sampling_kernels.os, "replace", no_replace)
+    monkeypatch.setattr(atomic_files.os, "replace", no_replace)
     with pytest.warns(UserWarning, match="disk full"):
         sampling_kernels.kernel_image("sm_87", tmp_path)
     assert list(tmp_path.iterdir()) == []
