@@ -30,6 +30,8 @@ def test_the_answer_is_kept_per_graph_and_probed_once(tiny_batched_bundle, tmp_p
     shutil.copytree(tiny_batched_bundle, bundle)
     backend = OrtCpuBackend(load_bundle(bundle).target)
     cache = tmp_path / "probe.json"
+    gone = f"{tmp_path / 'gone.onnx'} 1 2 | {cpu_identity()} | onnxruntime 1.0 | threads 2"
+    cache.write_text(json.dumps({gone: True}))  # a graph file deleted since: dropped
     first = one_row_is_exact(backend, 2, cache)
     record = json.loads(cache.read_text())
     (key,), (value,) = record.keys(), record.values()
