@@ -415,8 +415,13 @@ class RowBackend:
         # an earlier sequence, their features not kept (zeros), and the feature drafter,
         # whose own kept rows reach as far (BatchSession.run), never reads them.
         out = [c.features_out for c in calls]
-        self.features = None if any(f is None for f in out) else np.concatenate(
-            [np.zeros((skipped, out[0].shape[1]), np.float32), *out])
+        if any(f is None for f in out):
+            self.features = None
+        elif len(out) == 1 and not skipped:  # a step: its call's own copy, no second one
+            self.features = out[0]
+        else:
+            self.features = np.concatenate(
+                [np.zeros((skipped, out[0].shape[1]), np.float32), *out])
         return logits
 
 
