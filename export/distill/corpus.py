@@ -36,9 +36,11 @@ from specedge.runtime.atomic_files import atomic_write, replacing
 CORPUS_FORMAT = 1
 CORPUS_META = "corpus.json"
 # Where a request came from: prompts.py's topic x task templates, everyday questions,
-# summaries of a passage (an earlier answer of the corpus), code requests, and requests the
-# target wrote itself (self_prompts.py, Magpie).
-KINDS = ("template", "question", "summary", "code", "self")
+# summaries of a passage (an earlier answer of the corpus), code requests, requests the
+# target wrote itself (self_prompts.py, Magpie), code requests it finished from their first
+# words, and requests to change a block of code from an earlier answer (grow.py). New kinds
+# go at the end: a shard stores each row's index into this tuple.
+KINDS = ("template", "question", "summary", "code", "self", "code-self", "code-edit")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,15 @@ Each shard answers `shard_prompts` requests (CorpusSettings), a fixed mix:
   template's text before a user's words, the target continues with a request (temperature 1,
   at most REQUEST_TOKENS tokens), kept if it ends its turn and passes `pick_requests`;
 * an eighth: summaries of passages cut from the corpus' earlier greedy answers;
+* an eighth: code requests the target finishes itself from the first words of one
+  (prompts.CODE_OPENINGS: "Write a Rust function that", ...), kept as self-written ones are;
+* an eighth: requests to change or explain a block of code cut from an earlier greedy
+  answer (prompts.CODE_EDITS), the code fenced after the request;
 * the rest from prompts.py's template, question and code requests, in `pool_requests`
   order (the next ones not yet in the corpus); once those run out, self-written ones, and
   where too few self-written ones pass, more of those.
+The code parts make a quarter of each shard: a fixed pool of code tasks runs out after a
+few hundred requests, and a draft meets code in a third of the held-out prompts.
 Every request is new to the corpus and not close to a held-out prompt (the bench's and
 docs/examples/prompts.jsonl), so that measuring a draft on those stays measuring it on
 prompts it never saw. A `sampled_fraction` of the answers is sampled at `temperature`, the
@@ -54,7 +60,14 @@ from specedge.export.distill.corpus import (
     write_shard,
 )
 from specedge.export.distill.draft_folder import tokenizer_digest
-from specedge.export.distill.prompts import passage_of, pool_requests, summary_request
+from specedge.export.distill.prompts import (
+    CODE_OPENINGS,
+    code_blocks,
+    code_edit_request,
+    passage_of,
+    pool_requests,
+    summary_request,
+)
 from specedge.export.distill.self_prompts import MARK, REQUEST_TOKENS, close_to, content_words
 from specedge.prompts import load_prompts, read_prompt_file
 from specedge.runtime import GenerationConfig, Generator
@@ -65,6 +78,8 @@ EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "docs" / "examples" / "p
 # Self-written requests sampled per request a shard needs in one round (more rounds follow
 # when too few pass): about half of SmolLM2-135M-Instruct's pass.
 SELF_TRIES = 2
+# Kinds of request that ask for code: their answers are not passages to summarise.
+CODE_KINDS = ("code", "code-self", "code-edit")
 
 
 def held_out_requests() -> list[str]:
@@ -173,8 +188,7 @@ class CorpusGrower:
         self.pool = pool_requests(settings.seed)
         where = {request: i for i, (_, request) in enumerate(self.pool)}
         self.pool_next = 1 + max((where.get(r.request, -1) for r in self.rows), default=-1)
-        header = codec.chat_text([{"role": "user", "content": MARK}]).split(MARK)[0]
-        self.header_ids = codec.encode(header)
+        self.header = codec.chat_text([{"role": "user", "content": MARK}]).split(MARK)[0]
         self.special_ids = {i for i, t in codec.tokenizer.get_added_tokens_decoder().items()
                             if t.special}
 
@@ -189,34 +203,53 @@ class CorpusGrower:
         out.append((kind, request))
         return True
 
-    def self_written(self, n: int, seed: int) -> list[tuple[str, str]]:
-        """Up to `n` new requests the target writes (module docstring)."""
+    def self_written(self, n: int, seed: int, openings: tuple[str, ...] = ("",),
+                     kind: str = "self") -> list[tuple[str, str]]:
+        """Up to `n` new requests the target writes (module docstring): try i starts from
+        the chat template's user-turn header and `openings[i % len(openings)]`, the
+        request's first words, which the target finishes."""
         tries = n * SELF_TRIES
         self.tries += tries
+        codec = self.gen.codec
+        starts = [openings[i % len(openings)] for i in range(tries)]
+        start_ids = {o: codec.encode(self.header + o) for o in set(starts)}
         configs = [GenerationConfig(max_new_tokens=REQUEST_TOKENS, temperature=1.0,
                                     seed=seed + i, use_draft=False) for i in range(tries)]
-        bar = tqdm(total=tries * REQUEST_TOKENS, desc="self-written requests", unit="tok",
+        bar = tqdm(total=tries * REQUEST_TOKENS, desc=f"{kind}-written requests", unit="tok",
                    file=sys.stderr, leave=False)
-        results = answer_jobs(self.session, [(self.header_ids, c) for c in configs],
+        results = answer_jobs(self.session, [(start_ids[o], c) for o, c in zip(starts, configs)],
                               lambda k: bar.update(k))
         bar.close()
         picked: list[tuple[str, str]] = []
-        for result in results:
+        for opening, result in zip(starts, results):
             request = self_request(result.token_ids, self.eos, self.special_ids,
-                                   self.gen.codec.decode)
-            if request is not None and self.take("self", request, picked) and len(picked) == n:
+                                   lambda ids, o=opening: o + codec.decode(ids))
+            if request is not None and self.take(kind, request, picked) and len(picked) == n:
                 break
         return picked
 
     def summaries(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
         """Up to `n` requests to summarise passages cut from earlier greedy answers."""
-        candidates = [r for r in self.rows if r.temperature == 0 and r.kind != "summary"
-                      and r.kind != "code"]
+        candidates = [r for r in self.rows if r.temperature == 0
+                      and r.kind not in ("summary", *CODE_KINDS)]
         picked: list[tuple[str, str]] = []
         for r in rng.sample(candidates, min(len(candidates), 8 * n)):
             passage = passage_of(self.gen.codec.decode(r.answer))
             if passage is not None:
                 self.take("summary", summary_request(passage, rng), picked)
+            if len(picked) == n:
+                break
+        return picked
+
+    def code_edits(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        """Up to `n` requests to change or explain a block of code cut from an earlier
+        greedy answer (prompts.CODE_EDITS)."""
+        candidates = [r for r in self.rows if r.temperature == 0 and r.kind != "code-edit"]
+        picked: list[tuple[str, str]] = []
+        for r in rng.sample(candidates, len(candidates)):
+            blocks = code_blocks(self.gen.codec.decode(r.answer))
+            if blocks:
+                self.take("code-edit", code_edit_request(*rng.choice(blocks), rng), picked)
             if len(picked) == n:
                 break
         return picked
@@ -233,9 +266,16 @@ class CorpusGrower:
         s = self.settings
         rng = random.Random(s.seed * 1_000_003 + index)
         n = s.shard_prompts
-        picked = self.summaries(n // 8, rng)
-        picked += self.from_pool(n - len(picked) - round(s.self_fraction * n))
         seed = (s.seed * 1_000_003 + index) * 10_000
+        picked = self.summaries(n // 8, rng)
+        picked += self.code_edits(n // 8, rng)
+        for attempt in range(3):  # as for self-written ones below
+            wanted = n // 4 - sum(kind in CODE_KINDS for kind, _ in picked)
+            if wanted <= 0:
+                break
+            picked += self.self_written(wanted, seed + 3_000 + attempt * 500, CODE_OPENINGS,
+                                        "code-self")
+        picked += self.from_pool(n - len(picked) - round(s.self_fraction * n))
         for attempt in range(3):  # a few rounds, in case few self-written ones pass
             if len(picked) >= n:
                 break

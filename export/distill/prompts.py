@@ -5,6 +5,7 @@ The bench's topics are left out, so the bench measures drafts on prompts they ha
 from __future__ import annotations
 
 import random
+import re
 
 # Topics of the bench prompts (specedge/prompts.jsonl) are left out, so the bench measures the
 # draft on prompts it has not seen.
@@ -159,3 +160,44 @@ def passage_of(answer: str) -> str | None:
     under 200 characters or holds code."""
     text = answer[:answer.rfind(".") + 1].strip()
     return text if len(text) >= 200 and "```" not in text else None
+
+
+# The first words of a code request that the target finishes itself (grow.py): a fixed pool
+# of code tasks runs out after a few hundred requests, while the target, steered only by these
+# openings, writes as many different ones as it is asked for, in the words its users use.
+CODE_OPENINGS = (
+    "Write a Python function that", "Write a Python function that",
+    "Write a Python program that", "Write a Python class", "In Python, how can I",
+    "In JavaScript, how do I", "Write a JavaScript function that", "Write a Java method that",
+    "Write a C program that", "Write a Go function that", "Write a Rust function that",
+    "Write a SQL query that", "Write a bash script that", "Write an HTML page with",
+    "Write a regular expression that", "Write a unit test for a Python function that",
+)
+
+# What a code-change request asks of a block of code taken from an earlier answer.
+CODE_EDITS = [
+    "Explain what this code does, step by step:", "Add comments to this code:",
+    "Make this code shorter and easier to read:", "Add error handling to this code:",
+    "Write three test cases for this code:", "Is there a bug in this code? Explain, then fix "
+    "it:", "Rewrite this code in {lang}:", "Rename the variables in this code so that their "
+    "names say what they hold:", "What is the time complexity of this code, and why?",
+    "Make this code faster, and say what you changed:", "Review this code as a senior "
+    "developer would:", "Turn this code into a command-line tool:",
+]
+EDIT_LANGUAGES = ["Python", "JavaScript", "Java", "Go", "Rust", "C++", "TypeScript"]
+_CODE_BLOCK = re.compile(r"```(\w*)\n(.*?)\n```", re.S)
+
+
+def code_blocks(answer: str, lines: tuple[int, int] = (3, 30)) -> list[tuple[str, str]]:
+    """The fenced code blocks of an answer as (language, code), those of `lines` lines."""
+    return [(m.group(1), m.group(2)) for m in _CODE_BLOCK.finditer(answer)
+            if lines[0] <= m.group(2).count("\n") + 1 <= lines[1]]
+
+
+def code_edit_request(language: str, code: str, rng: random.Random) -> str:
+    """A request to change or explain `code` (CODE_EDITS), the code fenced after it."""
+    edit = rng.choice(CODE_EDITS)
+    if "{lang}" in edit:
+        edit = edit.format(lang=rng.choice([x for x in EDIT_LANGUAGES
+                                            if x.lower() != language.lower()]))
+    return f"{edit}\n\n```{language}\n{code}\n```"
