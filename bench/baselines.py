@@ -303,33 +303,77 @@ SPEEDS = {"decode": "decode_tokens_per_second", "end to end": "tokens_per_second
 PEERS = ("llama.cpp", "onnxruntime-genai")
 
 
+def _ratio(timed: dict[str, dict], num: str, den: str, speed: str) -> dict | None:
+    """`num`'s speed over `den`'s round by round, with their median and 95% confidence
+    interval (`intervals.ratio_ci`); None if either did not run or no round has both
+    speeds."""
+    if num not in timed or den not in timed:
+        return None
+    key = SPEEDS[speed]
+    per_round = [a[key] / b[key] for a, b in zip(timed[num]["rounds"], timed[den]["rounds"],
+                                                  strict=True) if a[key] and b[key]]
+    if not per_round:
+        return None
+    return {"speed": speed, "numerator": num, "denominator": den, **ratio_ci(per_round)}
+
+
+def _timed(systems: dict[str, dict]) -> dict[str, dict]:
+    return {name: s for name, s in systems.items() if "rounds" in s}
+
+
+def _peer_best(timed: dict[str, dict], peer: str, key: str) -> str | None:
+    """The fastest of `peer`'s systems on speed `key` (median over rounds), or None."""
+    theirs = [name for name in timed if name.startswith(f"{peer} ") and timed[name][key]]
+    return max(theirs, key=lambda name: timed[name][key]) if theirs else None
+
+
 def system_ratios(systems: dict[str, dict]) -> list[dict]:
     """The ratios the report quotes, each speed (decode, end to end) round by round, with
-    their median and 95% confidence interval (`intervals.ratio_ci`), for each peer that ran
+    their median and 95% confidence interval (`_ratio`), for each peer that ran
     (llama.cpp, then onnxruntime-genai): "specedge best / <peer> best", the peer's best being
     the fastest of its systems by median over rounds on that speed (recorded as
     `denominator`), and "specedge plain / <peer> plain". A ratio whose systems did not both
     run (a skipped baseline) is left out, as is a round where either speed is undefined."""
-    timed = {name: s for name, s in systems.items() if "rounds" in s}
+    timed = _timed(systems)
     out = []
-
-    def add(ratio: str, num: str, den: str, speed: str) -> None:
-        if num not in timed or den not in timed:
-            return
-        key = SPEEDS[speed]
-        per_round = [a[key] / b[key] for a, b in zip(timed[num]["rounds"],
-                                                      timed[den]["rounds"], strict=True)
-                     if a[key] and b[key]]
-        if per_round:
-            out.append({"ratio": ratio, "speed": speed, "numerator": num,
-                        "denominator": den, **ratio_ci(per_round)})
-
     for peer in PEERS:
         for speed, key in SPEEDS.items():
-            theirs = [name for name in timed if name.startswith(f"{peer} ") and timed[name][key]]
-            if theirs:
-                add(f"specedge best / {peer} best", "specedge best",
-                    max(theirs, key=lambda name: timed[name][key]), speed)
+            den = _peer_best(timed, peer, key)
+            entry = den and _ratio(timed, "specedge best", den, speed)
+            if entry:
+                out.append({"ratio": f"specedge best / {peer} best", **entry})
         for speed in SPEEDS:
-            add(f"specedge plain / {peer} plain", "specedge plain", f"{peer} plain", speed)
+            entry = _ratio(timed, "specedge plain", f"{peer} plain", speed)
+            if entry:
+                out.append({"ratio": f"specedge plain / {peer} plain", **entry})
+    return out
+
+
+def pareto_ratios(systems: dict[str, dict]) -> list[dict]:
+    """Speed at equal quality: for each peer that ran and each speed, its best system (as in
+    `system_ratios`) against the fastest of ours (every "specedge ..." system: each export
+    and configuration timed) whose perplexity on the same text is no higher than that
+    system's, with the ratio round by round. Where none of ours is as good, the entry has
+    no ratio and names our lowest perplexity instead (`numerator` None), so that a faster
+    peer with a worse perplexity and a slower one with a better are both read right."""
+    timed = _timed(systems)
+    ours = [name for name in timed if name.startswith("specedge ")]
+    out = []
+    for peer in PEERS:
+        for speed, key in SPEEDS.items():
+            den = _peer_best(timed, peer, key)
+            if den is None or not ours:
+                continue
+            bound = timed[den]["perplexity"]
+            good = [n for n in ours if timed[n]["perplexity"] <= bound and timed[n][key]]
+            entry = {"ratio": f"fastest specedge at perplexity <= {peer} best", "speed": speed,
+                     "denominator": den, "denominator_perplexity": bound}
+            num = max(good, key=lambda n: timed[n][key]) if good else None
+            ratio = num and _ratio(timed, num, den, speed)
+            if ratio:
+                out.append({**entry, **ratio, "numerator_perplexity": timed[num]["perplexity"]})
+            elif not good:
+                lowest = min(ours, key=lambda n: timed[n]["perplexity"])
+                out.append({**entry, "numerator": None, "lowest": lowest,
+                            "lowest_perplexity": timed[lowest]["perplexity"]})
     return out

@@ -126,11 +126,34 @@ def _systems_markdown(results: dict) -> list[str]:
         if skipped or not ratios:
             lines += ["", f"No ratio to {peer}: " + ("; ".join(skipped) if skipped else
                                                      "it was not among --baselines") + "."]
+    lines += _pareto_markdown(results.get("pareto", []))
     llama = next((row for row in systems.values() if "build" in row), None)
     if llama:
         lines += ["", f"llama.cpp: flash attention on, n_batch {llama['n_batch']}; its build: "
                       f"`{llama['build']}`"]
     return lines + _ort_genai_line(systems)
+
+
+def _pareto_markdown(entries: list[dict]) -> list[str]:
+    """The Pareto line (`baselines.pareto_ratios`): for each peer's best, our fastest system
+    with a perplexity no higher than its, and the ratio."""
+    if not entries:
+        return []
+    lines = ["", "Pareto line: each peer's best against the fastest of our systems whose "
+             "perplexity is no higher than its (speed at equal or better quality).", "",
+             "| peer's best (perplexity) | speed | ours (perplexity) | median | 95% CI | "
+             "by round |", "|---|---|---|---|---|---|"]
+    for e in entries:
+        peer = f"{e['denominator']} ({e['denominator_perplexity']:.2f})"
+        if e["numerator"] is None:
+            lines.append(f"| {peer} | {e['speed']} | none: our lowest is "
+                         f"{e['lowest']} ({e['lowest_perplexity']:.2f}) | - | - | - |")
+        else:
+            lines.append(f"| {peer} | {e['speed']} | {e['numerator']} "
+                         f"({e['numerator_perplexity']:.2f}) | {e['median']:.2f}x | "
+                         f"{_interval(e)} | " + " ".join(f"{x:.2f}" for x in e["rounds"])
+                         + " |")
+    return lines
 
 
 def _peers_in(ratios: list[dict]) -> list[str]:

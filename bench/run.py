@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive, default=3,
                    help="times the system comparison runs its prompts, each round giving "
                         "one ratio for the confidence interval (default 3)")
+    p.add_argument("--also", type=Path, nargs="+", default=[], metavar="BUNDLE",
+                   help="other exports of the same model (another precision or int4 grid) "
+                        "timed in the system comparison too, plain and with the defaults, "
+                        "each with its perplexity: the Pareto line picks, for each peer, our "
+                        "fastest system at a perplexity no higher than the peer's")
     add_threads_flag(p, help=None)
     add_spinning_flag(p)
     add_backend_flag(p, help="runtime backend of our configurations (default ort-cpu)")
@@ -180,6 +185,8 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
     systems = {"specedge plain": _ours(gen, kwargs["greedy/plain"], args.max_new_tokens, ours),
                "specedge best": {**_ours(gen, kwargs[best], args.max_new_tokens, ours),
                                  "configuration": best}}
+    for bundle in args.also:
+        systems.update(_other_export(args, bundle, text_ids))
     if "transformers" in args.baselines:
         systems.update(baselines.transformers_systems(args.bundle, args.max_new_tokens,
                                                       text_ids))
@@ -196,13 +203,34 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
                                      progress=True)
     return {"systems_prompts": n, "systems_rounds": args.rounds,
             "quality_tokens": len(text_ids), "systems": systems,
-            "system_ratios": baselines.system_ratios(systems)}
+            "system_ratios": baselines.system_ratios(systems),
+            "pareto": baselines.pareto_ratios(systems)}
+
+
+def _other_export(args: argparse.Namespace, bundle: Path, text_ids: list[int]) -> dict:
+    """An --also bundle as two systems, "specedge NAME plain" and "specedge NAME default"
+    (NAME its folder's name), with its graph's perplexity on `text_ids`."""
+    gen = Generator.from_bundle(bundle, backend=args.backend, threads=args.threads,
+                                spinning=args.thread_spinning)
+    quality = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads,
+                                             spinning=args.thread_spinning), text_ids)
+    gen.generate(prompt_ids=text_ids[:8], max_new_tokens=4)  # warm up, as our configurations
+    return {f"specedge {bundle.name} plain": _ours(gen, {"use_draft": False},
+                                                   args.max_new_tokens, quality),
+            f"specedge {bundle.name} default": _ours(gen, {}, args.max_new_tokens, quality)}
 
 
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     prompts = _prompts(args)  # a bad prompt file fails before the bundle loads
+    if args.also and args.quick:
+        raise ValueError("--also times other exports in the system comparison, which --quick "
+                         "leaves out: drop one of them")
+    for bundle in args.also:  # before anything is timed
+        if not (bundle / "manifest.json").is_file():
+            raise ValueError(f"--also {bundle}: no bundle there (no manifest.json); give "
+                             "folders made by `specedge export`")
     gen = Generator.from_bundle(args.bundle, backend=args.backend, threads=args.threads,
                                 spinning=args.thread_spinning)
     source = str(args.prompts) if args.prompts else "the shipped prompt set"

@@ -29,9 +29,11 @@ def test_every_configuration_names_its_drafter():
             assert kwargs["drafter"] == {"draft": "model"}.get(drafter, drafter), name
 
 
-def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys, monkeypatch):
+def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tiny_batched_bundle, tmp_path,
+                                              capsys, monkeypatch):
     """The whole bench on the tiny bundle, with `--baselines llama.cpp` answered by stand-in
-    llama.cpp systems (transformers must not load) and two rounds of the systems."""
+    llama.cpp systems (transformers must not load), another export of the model timed
+    beside them (`--also`) and two rounds of the systems."""
     import time
 
     from specedge.bench import baselines
@@ -53,7 +55,7 @@ def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys,
     out = tmp_path / "bench"
     main(["bench", "--bundle", str(own_tiny_bundle), "--limit", "3", "--max-new-tokens", "12",
           "--ks", "2", "3", "--baselines", "llama.cpp", "--rounds", "2", "--out", str(out),
-          "--store-auto-k"])
+          "--store-auto-k", "--also", str(tiny_batched_bundle)])
     results = json.loads((out / "bench.json").read_text())
     configs = results["configurations"]
     assert set(configs) == {"greedy/plain", "greedy/draft K=2", "greedy/draft K=3",
@@ -76,12 +78,14 @@ def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys,
                                                                             ("model", False)}
     assert stored["machines"][0]["written_by"] == "specedge bench"
     systems = results["systems"]
-    assert list(systems) == ["specedge plain", "specedge best", "llama.cpp plain",
-                             "llama.cpp prompt lookup"]
+    other = f"specedge {tiny_batched_bundle.name}"
+    assert list(systems) == ["specedge plain", "specedge best", f"{other} plain",
+                             f"{other} default", "llama.cpp plain", "llama.cpp prompt lookup"]
     best = systems["specedge best"]["configuration"]
     assert best.startswith("greedy/") and best in configs
     assert results["systems_rounds"] == 2 and results["systems_prompts"] == 3
-    for name in ("specedge plain", "specedge best", "llama.cpp plain"):  # taking turns
+    for name in ("specedge plain", "specedge best", f"{other} default",
+                 "llama.cpp plain"):  # taking turns
         system = systems[name]
         assert len(system["rounds"]) == 2
         for r in system["rounds"]:
@@ -96,6 +100,16 @@ def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys,
     ppl = systems["specedge plain"]["perplexity"]
     assert 10 < ppl < 1e4 and systems["specedge best"]["perplexity"] == ppl
     assert results["quality_tokens"] > 100
+    # The other export's perplexity is its own graph's: the same tiny weights, another layout.
+    assert systems[f"{other} plain"]["perplexity"] == pytest.approx(ppl, rel=1e-3)
+    assert systems[f"{other} default"]["perplexity"] == systems[f"{other} plain"]["perplexity"]
+    # The stand-in llama.cpp's perplexity (3.0) is below all of ours: the Pareto line has no
+    # ratio for it and names our lowest.
+    pareto = results["pareto"]
+    assert [(e["denominator"], e["speed"], e["numerator"]) for e in pareto] == [
+        ("llama.cpp plain", "decode", None), ("llama.cpp plain", "end to end", None)]
+    assert pareto[0]["lowest_perplexity"] == min(
+        s["perplexity"] for name, s in systems.items() if name.startswith("specedge "))
     # Against the stand-in llama.cpp: its prompt lookup skipped, its plain system is best.
     ratios = results["system_ratios"]
     assert [(r["ratio"], r["speed"], r["denominator"]) for r in ratios] == [
@@ -117,6 +131,7 @@ def test_bench_writes_json_markdown_and_plots(own_tiny_bundle, tmp_path, capsys,
     assert (f"| specedge plain / llama.cpp plain | decode | {ratios[2]['median']:.2f}x | "
             f"{ratios[2]['ci95'][0]:.2f}–{ratios[2]['ci95'][1]:.2f}x |") in printed
     assert printed.count("STAND-IN BUILD") == 1
+    assert "| llama.cpp plain (3.00) | decode | none: our lowest is specedge" in printed
 
 
 def test_systems_take_turns_prompt_by_prompt():

@@ -9,6 +9,7 @@ import importlib.machinery
 import json
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -308,3 +309,50 @@ def test_report_says_why_there_is_no_ratio(clock):
     assert f"| llama.cpp plain | skipped: {skipped['skipped']} | | | |" in text
     assert "No ratio to llama.cpp: llama.cpp plain: llama-cpp-python not installed" in text
     assert "its build" not in text
+
+
+def with_perplexity(result: dict, value: float) -> dict:
+    return {**result, "perplexity": value}
+
+
+def test_the_pareto_line_takes_our_fastest_system_at_no_worse_perplexity():
+    systems = {
+        # our fastest export is also our worst: never compared with a better peer
+        "specedge lean default": with_perplexity(measured([30.0, 30.0], [20.0, 20.0]), 25.0),
+        "specedge best": with_perplexity(measured([20.0, 24.0], [15.0, 15.0]), 22.0),
+        "specedge plain": with_perplexity(measured([12.0, 12.0], [10.0, 10.0]), 22.0),
+        "llama.cpp plain": with_perplexity(measured([10.0, 12.0], [10.0, 10.0]), 22.0),
+        "onnxruntime-genai plain": with_perplexity(measured([18.0, 18.0], [12.0, 12.0]), 27.0),
+        "onnxruntime-genai n-gram": with_perplexity(measured([25.0, 25.0], [14.0, 14.0]),
+                                                    27.0),
+    }
+    line = {(e["denominator"], e["speed"]): e for e in baselines.pareto_ratios(systems)}
+    assert list(line) == [("llama.cpp plain", "decode"), ("llama.cpp plain", "end to end"),
+                          ("onnxruntime-genai n-gram", "decode"),
+                          ("onnxruntime-genai n-gram", "end to end")]
+    llama = line["llama.cpp plain", "decode"]  # equal perplexity counts as no worse
+    assert llama["numerator"] == "specedge best" and llama["rounds"] == [2.0, 2.0]
+    assert (llama["numerator_perplexity"], llama["denominator_perplexity"]) == (22.0, 22.0)
+    genai = line["onnxruntime-genai n-gram", "decode"]
+    assert genai["numerator"] == "specedge lean default" and genai["rounds"] == [1.2, 1.2]
+    # a peer better than all of ours: no ratio, and our lowest perplexity named instead
+    systems["llama.cpp plain"]["perplexity"] = 21.5
+    llama = baselines.pareto_ratios(systems)[0]
+    assert llama["numerator"] is None and "median" not in llama
+    assert (llama["lowest"], llama["lowest_perplexity"]) == ("specedge best", 22.0)
+    text = "\n".join(report._pareto_markdown(baselines.pareto_ratios(systems)))
+    assert ("| llama.cpp plain (21.50) | decode | none: our lowest is specedge best (22.00) "
+            "| - | - | - |") in text
+    assert ("| onnxruntime-genai n-gram (27.00) | decode | specedge lean default (25.00) | "
+            "1.20x |") in text
+
+
+def test_also_takes_other_bundles_and_checks_them_before_timing(tmp_path, capsys):
+    assert parse().also == []
+    assert parse("--also", "a", "b").also == [Path("a"), Path("b")]
+    for argv, message in [(["--also", str(tmp_path / "nope")], "no bundle there"),
+                          (["--also", str(tmp_path), "--quick"], "drop one of them")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "--bundle", str(tmp_path), *argv])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
