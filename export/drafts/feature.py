@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from specedge.export.drafts.truncated import check_mlp_width, copy_layer
+from specedge.export.graph.attention import soft_cap
 from specedge.export.graph.decoder import Decoder
 from specedge.export.graph.families import FEATURE_DRAFT_FAMILIES
 from specedge.export.graph.outputs import last_positions, lm_head
@@ -66,9 +67,12 @@ class FeatureDraft(nn.Module):
         # window (Mistral, Phi-3) bounds what its own layers read, not what the draft may.
         if getattr(config, "sliding_window", None):
             config.sliding_window = None
-        # Training runs the layer through transformers' attention; sdpa is causal when
-        # given no mask (the eager path would attend to every pair).
-        config._attn_implementation = "sdpa"
+        # Training runs the layer through transformers' attention: sdpa, causal when given
+        # no mask, except where the layer soft-caps its scores (Gemma 2), which only the
+        # eager path does; `predict` then gives the causal mask itself.
+        config._attn_implementation = ("eager" if config.model_type == "gemma2"
+                                       and getattr(config, "attn_logit_softcapping", None)
+                                       else "sdpa")
         self.config = config
         width = config.hidden_size
         self.fc = nn.Linear(2 * width, width)
@@ -130,13 +134,25 @@ class FeatureDraft(nn.Module):
         """g_r = fc([embed(x_{r+1}); f_r]), the layer's input."""
         return self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
 
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's rotary tables (cos, sin) at `positions`, from the target's rotary
+        embedding: Gemma 3's has a table per layer kind, and the draft's layer attends to
+        all its pairs, a "full_attention" one (as graph/gemma.py reads the draft's config)."""
+        if self.config.model_type == "gemma3_text":
+            return self.rotary_emb(x, positions, "full_attention")
+        return self.rotary_emb(x, positions)
+
     def predict(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training: f^_{r+1} for pairs (f_r, x_{r+1}); input_ids [B, L], features [B, L, H]
         -> [B, L, H]. Padding goes at the end (attention is causal)."""
         x = self._pairs(input_ids, features)
-        positions = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
-        cos, sin = self.rotary_emb(x, positions)
-        return self.layer(x, position_ids=positions, position_embeddings=(cos, sin))
+        length = x.shape[1]
+        positions = torch.arange(length).unsqueeze(0).expand(x.shape[0], -1)
+        causal = None  # sdpa is causal without a mask; the eager path needs one
+        if self.config._attn_implementation == "eager":
+            causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        return self.layer(x, attention_mask=causal, position_ids=positions,
+                          position_embeddings=self.rotary(x, positions))
 
     @property
     def logit_scale(self) -> float:
@@ -144,11 +160,21 @@ class FeatureDraft(nn.Module):
         (Granite)."""
         return 1.0 / getattr(self.config, "logits_scaling", 1.0)
 
+    def head_output(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the target's head does to the product's logits: Granite's scale, Gemma's
+        soft-cap (`final_logit_softcapping`, tanh(z / cap) * cap); a token outside the head
+        keeps its logit -inf (the cap would make it -cap)."""
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.where(torch.isinf(logits), logits, soft_cap(logits, cap))
+        return logits
+
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the head tokens only, [..., head_tokens], as the target's head
         computes them from features."""
-        logits = features @ self.lm_head.weight[self.specedge_head_ids].T
-        return logits if self.logit_scale == 1.0 else logits * self.logit_scale
+        return self.head_output(features @ self.lm_head.weight[self.specedge_head_ids].T)
 
     def forward(self, input_ids, position_ids, past_length, logits_to_keep, past_k, past_v,
                 features):
@@ -158,9 +184,7 @@ class FeatureDraft(nn.Module):
         inputs = family.layer_inputs(x, input_ids, position_ids, past_length,
                                      (past_k, past_v))[0]
         x, k, v = family.layer_step(self.layer, x, past_k, past_v, inputs)
-        logits = lm_head(self, last_positions(x, logits_to_keep))
-        if self.logit_scale != 1.0:
-            logits = logits * self.logit_scale
+        logits = self.head_output(lm_head(self, last_positions(x, logits_to_keep)))
         return logits, k, v, x
 
 

@@ -18,9 +18,9 @@ KERNEL_ROTARY_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES
 
 # Targets whose decoder layer a feature draft (export/drafts/feature.py) takes as its own:
 # those whose layer reads rotary tables and whose export module's hooks are the layer's own
-# (graph/decoder.py). Not yet Gemma (a rotary table per layer kind) or GPT-2 (learned
-# positions, read before the first layer).
-FEATURE_DRAFT_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES
+# (graph/decoder.py). Not GPT-2, whose positions are learned and added before the first
+# layer, so that no layer of its own reads them.
+FEATURE_DRAFT_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES + GEMMA_FAMILY
 
 
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY + MORE_FAMILIES + GEMMA_FAMILY

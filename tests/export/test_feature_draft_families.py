@@ -1,16 +1,24 @@
-"""Feature drafts for targets beyond the Llama family: Phi-3, Granite, OLMo2 and StableLM
-(tiny_models.py `tiny_more`, each family's features on). `specedge distill --kind feature`
-trains one (Phi-3 and StableLM on answers made in the run, OLMo2 and Granite through a
-corpus: `specedge corpus`, then `distill --corpus` with unrolled steps), its graph passes
---verify against its torch module (fused attention for two, portable for two), and
-speculative decoding with it equals plain decoding. Gemma and GPT-2 targets are refused with
-a message."""
+"""Feature drafts for targets beyond the Llama family: Phi-3, Granite, OLMo2, StableLM
+(tiny_models.py `tiny_more`) and Gemma 2 and 3 (`tiny_gemma`: sliding windows, soft-capped
+scores and logits, Gemma 3's rotary table per layer kind), each family's features on.
+`specedge distill --kind feature` trains one (on answers made in the run, or through a
+corpus: `specedge corpus`, then `distill --corpus` with unrolled steps), training's layer
+computes what the draft's graph module computes, its graph passes --verify against its
+torch module (fused, batched and portable attention), and speculative decoding with it
+equals plain decoding. GPT-2 targets are refused with a message."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import MORE_ARCHITECTURES, save_tiny_more, tiny_more
+from tiny_models import (
+    GEMMA_ARCHITECTURES,
+    MORE_ARCHITECTURES,
+    save_tiny_gemma,
+    save_tiny_more,
+    tiny_gemma,
+    tiny_more,
+)
 
 from specedge.export.bundle_writer import export_bundle
 from specedge.export.distill.config import DistillConfig
@@ -27,8 +35,9 @@ SEEDS = {"granite": 2, "stablelm": 1}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("feature-families")
-    return {arch: save_tiny_more(root / arch, arch, seed=SEEDS.get(arch, 0))
+    more = {arch: save_tiny_more(root / arch, arch, seed=SEEDS.get(arch, 0))
             for arch in MORE_ARCHITECTURES}
+    return {**more, **{arch: save_tiny_gemma(root / arch, arch) for arch in GEMMA_ARCHITECTURES}}
 
 
 def spec_equals_plain(bundle) -> int:
@@ -45,7 +54,42 @@ def spec_equals_plain(bundle) -> int:
     return accepted
 
 
-@pytest.mark.parametrize("arch, attention", [("phi3", "fused"), ("stablelm", "portable")])
+@pytest.mark.parametrize("arch", [*MORE_ARCHITECTURES, *GEMMA_ARCHITECTURES])
+def test_training_computes_what_the_drafts_graph_module_computes(arch):
+    """`predict` (training: the family's transformers layer) and `forward` (the graph: the
+    family's export module over the same layer) give the same f^_{r+1} for every pair, so
+    a draft runs what it was trained to. Gemma 2 soft-caps its scores, which transformers'
+    sdpa refuses, and Gemma 3's rotary has a table per layer kind."""
+    target = tiny_gemma(arch) if arch in GEMMA_ARCHITECTURES else tiny_more(arch)
+    torch.manual_seed(0)
+    draft = FeatureDraft(target, torch.arange(20))
+    with torch.no_grad():  # every branch doing something, as a trained draft's
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    draft.eval()
+    length, cfg = 12, draft.config
+    ids = torch.randint(3, 30, (2, length))
+    features = torch.randn(2, length, cfg.hidden_size)
+    empty = torch.zeros(2, cfg.num_key_value_heads, 0, draft.layer.self_attn.head_dim)
+    with torch.no_grad():
+        logits, _, _, out = draft(ids, torch.arange(length).expand(2, -1),
+                                  torch.zeros(2, dtype=torch.long), torch.tensor([length]),
+                                  empty, empty, features)
+        torch.testing.assert_close(draft.predict(ids, features), out, rtol=1e-4, atol=1e-4)
+        # The head as the target's (Granite's scale, Gemma's soft-cap), -inf outside the
+        # head tokens.
+        reference = target.lm_head(out)[..., :20] / getattr(cfg, "logits_scaling", 1.0)
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            reference = torch.tanh(reference / cap) * cap
+        torch.testing.assert_close(draft.head_logits(out), reference)
+        assert torch.equal(logits[..., :20], draft.head_logits(out))
+        assert torch.isinf(logits[..., 20:]).all()
+
+
+@pytest.mark.parametrize("arch, attention", [("phi3", "fused"), ("stablelm", "portable"),
+                                             ("gemma2", "fused")])
 def test_a_distilled_feature_draft_verifies_and_decodes_as_plain(arch, attention, checkpoints,
                                                                  tmp_path):
     draft = tmp_path / "draft"
@@ -58,7 +102,8 @@ def test_a_distilled_feature_draft_verifies_and_decodes_as_plain(arch, attention
     assert spec_equals_plain(tmp_path / "b") > 0  # else equality would hold trivially
 
 
-@pytest.mark.parametrize("arch, attention", [("olmo2", "fused"), ("granite", "portable")])
+@pytest.mark.parametrize("arch, attention", [("olmo2", "fused"), ("granite", "portable"),
+                                             ("gemma3_text", "batched")])
 def test_the_corpus_path_trains_a_feature_draft_for_other_families(arch, attention,
                                                                    checkpoints, tmp_path):
     """`specedge corpus` on a batched bundle of the target, then `distill --corpus` with
@@ -79,15 +124,11 @@ def test_the_corpus_path_trains_a_feature_draft_for_other_families(arch, attenti
     assert spec_equals_plain(tmp_path / "b") > 0
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gpt2"])
-def test_feature_drafts_refuse_the_families_they_do_not_take(arch):
-    from tiny_models import tiny_gemma
-
+def test_feature_drafts_refuse_the_families_they_do_not_take():
     from specedge.gpu_check.tiny_checkpoints import tiny_model
 
-    target = tiny_gemma(arch) if arch == "gemma2" else tiny_model("gpt2")
     with pytest.raises(ValueError, match="feature drafts take a target of the families"):
-        FeatureDraft(target, torch.arange(8))
+        FeatureDraft(tiny_model("gpt2"), torch.arange(8))
 
 
 def test_granite_drafts_score_their_head_as_the_target_does(checkpoints):

@@ -11,9 +11,16 @@ from specedge.export.drafts.feature import FeatureDraft
 from specedge.export.sources import load_model
 
 
-@pytest.fixture(scope="module")
-def draft(tiny_checkpoints):
-    target, _ = load_model(str(tiny_checkpoints["llama"]))
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def draft(request, tiny_checkpoints):
+    """A feature draft of a Llama target, and of a Gemma 2 one, whose layer soft-caps its
+    scores and so trains on transformers' eager attention with masks of its own."""
+    if request.param == "gemma2":
+        from tiny_models import tiny_gemma
+
+        target = tiny_gemma("gemma2")
+    else:
+        target, _ = load_model(str(tiny_checkpoints["llama"]))
     torch.manual_seed(0)
     d = FeatureDraft(target, torch.arange(34))
     with torch.no_grad():  # a draft whose every branch does something, as a trained one's
