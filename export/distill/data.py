@@ -17,7 +17,7 @@ from specedge.export.distill.prompts import (
     varied_prompts,
 )
 from specedge.export.distill.self_prompts import bench_requests, self_prompts
-from specedge.export.drafts.feature import target_layer_outputs
+from specedge.export.drafts.feature import decoder_stack, target_layer_outputs
 from specedge.runtime.atomic_files import replacing
 
 
@@ -35,7 +35,7 @@ def generate_shard(model, tokenizer, prompts: list[str], cfg: DistillConfig,
     # The target's features (its final-norm output, what its head reads) at every position,
     # for a feature draft (export/drafts/feature.py); captured as generation runs them.
     features = []
-    hook = model.model.norm.register_forward_hook(
+    hook = decoder_stack(model).norm.register_forward_hook(
         lambda module, args, out: features.append(out.to(torch.float16)))
     try:
         with torch.no_grad():

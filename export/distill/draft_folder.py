@@ -20,16 +20,23 @@ DRAFT_KINDS = ("model", "feature")
 
 
 DRAFT_WEIGHTS = "weights.safetensors"
+# The target's own modules that a draft reads, frozen: rebuilt from the target, not stored.
+TARGET_PARTS = ("embed_tokens", "lm_head", "position_embed")
+
+
+def is_target_part(name: str) -> bool:
+    return any(part in name for part in TARGET_PARTS)
 
 
 def save_draft(draft, head_ids: torch.Tensor, out: Path, meta: dict) -> dict:
     weights = {k: v.to(torch.float16).contiguous() for k, v in draft.state_dict().items()
-               if "embed_tokens" not in k and "lm_head" not in k}
+               if not is_target_part(k)}
     save_file(weights, str(out / DRAFT_WEIGHTS))
     (out / DRAFT_WEIGHTS).chmod(0o644)
     meta = {**meta, "kind": "feature" if isinstance(draft, FeatureDraft) else "model",
             "num_layers": draft.config.num_hidden_layers,
-            "mlp_width": draft.config.intermediate_size, "head_token_ids": head_ids.tolist()}
+            "mlp_width": getattr(draft.config, "intermediate_size", None),  # None: GPT-2's
+            "head_token_ids": head_ids.tolist()}
     if getattr(draft, "feature_layers", ()):
         meta["feature_layers"] = list(draft.feature_layers)
     (out / DRAFT_META).write_text(json.dumps(meta, indent=1))
@@ -74,7 +81,7 @@ def load_draft(path: Path, target, target_tokenizer):
         attach_head(draft, head_ids)
     state = {k: v.float() for k, v in load_file(str(path / DRAFT_WEIGHTS)).items()}
     missing, unexpected = draft.load_state_dict(state, strict=False)
-    if unexpected or any("embed_tokens" not in k and "lm_head" not in k for k in missing):
+    if unexpected or not all(is_target_part(k) for k in missing):
         raise ValueError(f"{path / DRAFT_WEIGHTS} does not match its {DRAFT_META}; "
                          "re-run specedge distill")
     return draft.eval()

@@ -45,6 +45,7 @@ from specedge.export.distill.data import (
 )
 from specedge.export.distill.draft_folder import (
     DRAFT_KINDS,
+    is_target_part,
     save_draft,
     tokenizer_digest,
 )
@@ -116,8 +117,8 @@ def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
         bar.update()
         bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree:.2f}")
         if step % 50 == 0 or step == total_steps:
-            trainable = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k
-                         and "lm_head" not in k}
+            trainable = {k: v for k, v in draft.state_dict().items()
+                         if not is_target_part(k)}
             with replacing(state_path) as tmp:
                 torch.save({"draft": trainable, "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": step}, tmp)

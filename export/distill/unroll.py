@@ -62,11 +62,10 @@ def unrolled_predictions(draft, ids: torch.Tensor, features: torch.Tensor,
     positions = torch.arange(length).unsqueeze(0).expand(ids.shape[0], -1)
     keys, outs, f = _StepKeys(), [], features
     for j in range(steps):
-        x = draft._pairs(ids, f)
+        x = draft.pairs(ids, f, positions)
         bias = torch.zeros(length, (j + 1) * length, dtype=x.dtype).masked_fill(
             ~step_mask(length, j), float("-inf"))
-        out = draft.layer(x, attention_mask=bias[None, None], position_ids=positions,
-                          position_embeddings=draft.rotary(x, positions), cache=keys)
+        out = draft.run_layer(x, positions, bias[None, None], keys)
         outs.append(out)
         # Pair r of the next step reads the prediction of f_r, made at pair r - 1.
         f = torch.cat([features[:, :1], out[:, :-1]], dim=1)

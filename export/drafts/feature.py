@@ -35,6 +35,8 @@ takes `features_to_keep` and outputs its f_r of those positions as `hidden_state
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ from torch import nn
 from specedge.export.drafts.truncated import check_mlp_width, copy_layer
 from specedge.export.graph.attention import soft_cap
 from specedge.export.graph.decoder import Decoder
-from specedge.export.graph.families import FEATURE_DRAFT_FAMILIES
+from specedge.export.graph.families import FEATURE_DRAFT_FAMILIES, GPT2_FAMILY
 from specedge.export.graph.outputs import last_positions, lm_head
 from specedge.export.graph.trace import DECODERS
 
@@ -57,10 +59,12 @@ class FeatureDraft(nn.Module):
                  feature_layers: tuple[int, ...] = (), mlp_width: int | None = None):
         super().__init__()
         check_feature_target(target.config)
+        stack = decoder_stack(target)
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = 1
         check_mlp_width(config, mlp_width)
-        config.intermediate_size = mlp_width or config.intermediate_size
+        if mlp_width is not None:
+            config.intermediate_size = mlp_width
         if getattr(config, "layer_types", None):
             config.layer_types = ["full_attention"]
         # Full attention over its pairs, in training as in its graph: a target's sliding
@@ -76,8 +80,8 @@ class FeatureDraft(nn.Module):
         self.config = config
         width = config.hidden_size
         self.fc = nn.Linear(2 * width, width)
-        self.layer = type(target.model.layers[-1])(config, layer_idx=0)
-        copy_layer(self.layer, target.model.layers[-1])
+        self.layer = type(stack.layers[-1])(config, layer_idx=0)
+        copy_layer(self.layer, stack.layers[-1])
         # Start as the identity on the feature: f^_{r+1} = f_r, a poor but sane guess (the
         # target's distribution one position back) from which training moves: fc passes
         # the feature half through, and the layer's two residual branches start at zero.
@@ -85,13 +89,19 @@ class FeatureDraft(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, width:].copy_(torch.eye(width))
             self.fc.bias.zero_()
-            self.layer.self_attn.o_proj.weight.zero_()
-            self.layer.mlp.down_proj.weight.zero_()
-        self.embed_tokens = target.model.embed_tokens
-        self.rotary_emb = target.model.rotary_emb
+            for branch in residual_outputs(self.layer):
+                branch.weight.zero_()
+                if getattr(branch, "bias", None) is not None:
+                    branch.bias.zero_()
+        self.embed_tokens = stack.embed_tokens
+        # GPT-2's positions are learned and added to the token embedding (its layers read
+        # none): the pairs get them the same way, at the pair's position.
+        self.position_embed = stack.position_embed
+        self.rotary_emb = stack.rotary_emb
         self.lm_head = target.lm_head
-        for frozen in (self.embed_tokens, self.lm_head):
-            frozen.requires_grad_(False)
+        for frozen in (self.embed_tokens, self.lm_head, self.position_embed):
+            if frozen is not None:
+                frozen.requires_grad_(False)
         self.register_buffer("specedge_head_ids", head_ids.long(), persistent=False)
         self.feature_layers = check_feature_layers(feature_layers, target.config.num_hidden_layers)
         self.fuse = None
@@ -130,29 +140,38 @@ class FeatureDraft(nn.Module):
         return {k: v for k, v in self.state_dict().items()
                 if k.startswith(("fc.", "layer.", "fuse."))}
 
-    def _pairs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """g_r = fc([embed(x_{r+1}); f_r]), the layer's input."""
-        return self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
+    def pairs(self, input_ids: torch.Tensor, features: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+        """g_r = fc([embed(x_{r+1}); f_r]), the layer's input; the embedding holds the
+        position `positions` where the target adds learned positions to its own (GPT-2)."""
+        embedded = self.embed_tokens(input_ids)
+        if self.position_embed is not None:
+            embedded = embedded + self.position_embed(positions)
+        return self.fc(torch.cat([embedded, features], dim=-1))
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The layer's rotary tables (cos, sin) at `positions`, from the target's rotary
-        embedding: Gemma 3's has a table per layer kind, and the draft's layer attends to
-        all its pairs, a "full_attention" one (as graph/gemma.py reads the draft's config)."""
-        if self.config.model_type == "gemma3_text":
-            return self.rotary_emb(x, positions, "full_attention")
-        return self.rotary_emb(x, positions)
+    def run_layer(self, x: torch.Tensor, positions: torch.Tensor,
+                  bias: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Training: the layer through transformers on pairs x [B, L, H] at `positions`
+        [B, L], causal, or under the additive mask `bias` [1, 1, L, keys] over `cache`'s
+        keys (unroll.py). Its rotary tables come from the target's rotary embedding (Gemma
+        3's has one per layer kind: the draft's layer attends to all its pairs, a
+        "full_attention" one, as graph/gemma.py reads the draft's config); GPT-2's layer
+        reads no positions."""
+        if bias is None and self.config._attn_implementation == "eager":
+            length = x.shape[1]  # sdpa is causal without a mask; the eager path needs one
+            bias = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        kwargs = {"attention_mask": bias, "cache": cache}
+        if self.rotary_emb is not None:
+            kind = ("full_attention",) if self.config.model_type == "gemma3_text" else ()
+            kwargs.update(position_ids=positions,
+                          position_embeddings=self.rotary_emb(x, positions, *kind))
+        return self.layer(x, **kwargs)
 
     def predict(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training: f^_{r+1} for pairs (f_r, x_{r+1}); input_ids [B, L], features [B, L, H]
         -> [B, L, H]. Padding goes at the end (attention is causal)."""
-        x = self._pairs(input_ids, features)
-        length = x.shape[1]
-        positions = torch.arange(length).unsqueeze(0).expand(x.shape[0], -1)
-        causal = None  # sdpa is causal without a mask; the eager path needs one
-        if self.config._attn_implementation == "eager":
-            causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
-        return self.layer(x, attention_mask=causal, position_ids=positions,
-                          position_embeddings=self.rotary(x, positions))
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
+        return self.run_layer(self.pairs(input_ids, features, positions), positions)
 
     @property
     def logit_scale(self) -> float:
@@ -180,7 +199,7 @@ class FeatureDraft(nn.Module):
                 features):
         """The graph: one call over T pairs with the bundle's KV-cache contract."""
         family = self.family()
-        x = self._pairs(input_ids, features)
+        x = self.pairs(input_ids, features, position_ids)
         inputs = family.layer_inputs(x, input_ids, position_ids, past_length,
                                      (past_k, past_v))[0]
         x, k, v = family.layer_step(self.layer, x, past_k, past_v, inputs)
@@ -190,7 +209,8 @@ class FeatureDraft(nn.Module):
 
 class _OneLayerModel(nn.Module):
     """What a family's export module reads of a causal LM (graph/decoder.py: its config, and
-    its model's layers, rotary embedding and embeddings), over a feature draft's one layer."""
+    its model's layers, rotary embedding and embeddings; GPT-2's under `transformer`), over
+    a feature draft's one layer."""
 
     def __init__(self, draft: FeatureDraft):
         super().__init__()
@@ -199,6 +219,37 @@ class _OneLayerModel(nn.Module):
         self.model.layers = nn.ModuleList([draft.layer])
         self.model.rotary_emb = draft.rotary_emb
         self.model.embed_tokens = draft.embed_tokens
+        self.transformer = nn.Module()
+        self.transformer.h = self.model.layers
+
+
+@dataclass
+class DecoderStack:
+    """The parts of a causal LM that a feature draft takes, whatever the family names them."""
+
+    layers: nn.ModuleList
+    norm: nn.Module  # the final norm, whose output the head reads: the features
+    embed_tokens: nn.Module
+    rotary_emb: nn.Module | None  # None: no rotary (GPT-2)
+    position_embed: nn.Module | None  # learned positions added to the embedding (GPT-2)
+    forward: Callable  # the stack's own forward (input_ids, attention_mask)
+
+
+def decoder_stack(target: nn.Module) -> DecoderStack:
+    """The target's decoder stack: `target.model` (Llama layout and the others), or GPT-2's
+    `target.transformer`."""
+    if target.config.model_type in GPT2_FAMILY:
+        t = target.transformer
+        return DecoderStack(t.h, t.ln_f, t.wte, None, t.wpe, t)
+    m = target.model
+    return DecoderStack(m.layers, m.norm, m.embed_tokens, m.rotary_emb, None, m)
+
+
+def residual_outputs(layer: nn.Module) -> list[nn.Module]:
+    """The projections that end a layer's two residual branches (attention, MLP)."""
+    if hasattr(layer, "attn"):  # GPT-2
+        return [layer.attn.c_proj, layer.mlp.c_proj]
+    return [layer.self_attn.o_proj, layer.mlp.down_proj]
 
 
 def check_feature_target(config) -> None:
@@ -217,7 +268,7 @@ def target_layer_outputs(target: nn.Module, ids: torch.Tensor, mask: torch.Tenso
                          layers: tuple[int, ...], final: bool = False) -> dict:
     """The target's outputs of decoder `layers` on `ids` [B, L] (and its final norm's, key
     "final", if `final`); without `final` the pass stops after the last of `layers`."""
-    base, outputs = target.model, {}
+    base, outputs = decoder_stack(target), {}
     wanted = [(i, base.layers[i]) for i in layers] + ([("final", base.norm)] if final else [])
 
     def keep(key):
@@ -230,7 +281,7 @@ def target_layer_outputs(target: nn.Module, ids: torch.Tensor, mask: torch.Tenso
     hooks = [module.register_forward_hook(keep(key)) for key, module in wanted]
     try:
         with torch.no_grad():
-            base(input_ids=ids, attention_mask=mask)
+            base.forward(input_ids=ids, attention_mask=mask)
     except _Enough:
         pass
     finally:

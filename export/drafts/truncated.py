@@ -48,8 +48,13 @@ def truncated_draft(target: nn.Module, layers: int) -> nn.Module:
 
 def check_mlp_width(config, width: int | None) -> None:
     """A distilled draft's MLP may be narrower than the target's, not wider (None: as wide)."""
-    full = config.intermediate_size
-    if width is not None and (isinstance(width, bool) or not 1 <= width <= full):
+    if width is None:
+        return
+    full = getattr(config, "intermediate_size", None)
+    if full is None:  # GPT-2's MLP: no gated neurons to keep
+        raise ValueError("--mlp-width keeps the neurons of a gated MLP; this target's draft "
+                         "keeps its MLP whole: leave --mlp-width out")
+    if isinstance(width, bool) or not 1 <= width <= full:
         raise ValueError(f"--mlp-width must be in [1, {full}] for this target (the width of "
                          f"its MLP), got {width!r}")
 
@@ -64,6 +69,9 @@ def copy_layer(mine: nn.Module, theirs: nn.Module) -> None:
     """
     state = theirs.state_dict()
     mlp = theirs.mlp
+    if not hasattr(mlp, "down_proj"):  # not a gated MLP (GPT-2): kept whole
+        mine.load_state_dict(state)
+        return
     width = mine.mlp.down_proj.in_features
     if width < mlp.down_proj.in_features:
         size = (mlp.gate_proj.weight.norm(dim=1) * mlp.up_proj.weight.norm(dim=1)

@@ -17,10 +17,8 @@ KERNEL_ROTARY_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES
 
 
 # Targets whose decoder layer a feature draft (export/drafts/feature.py) takes as its own:
-# those whose layer reads rotary tables and whose export module's hooks are the layer's own
-# (graph/decoder.py). Not GPT-2, whose positions are learned and added before the first
-# layer, so that no layer of its own reads them.
-FEATURE_DRAFT_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES + GEMMA_FAMILY
+# every family, each export module's layer hooks being the layer's own (graph/decoder.py).
+FEATURE_DRAFT_FAMILIES = LLAMA_FAMILY + MORE_FAMILIES + GEMMA_FAMILY + GPT2_FAMILY
 
 
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GPT2_FAMILY + MORE_FAMILIES + GEMMA_FAMILY

@@ -1,11 +1,12 @@
 """Feature drafts for targets beyond the Llama family: Phi-3, Granite, OLMo2, StableLM
-(tiny_models.py `tiny_more`) and Gemma 2 and 3 (`tiny_gemma`: sliding windows, soft-capped
-scores and logits, Gemma 3's rotary table per layer kind), each family's features on.
+(tiny_models.py `tiny_more`), Gemma 2 and 3 (`tiny_gemma`: sliding windows, soft-capped
+scores and logits, Gemma 3's rotary table per layer kind) and GPT-2 (learned positions, no
+rotary), each family's features on.
 `specedge distill --kind feature` trains one (on answers made in the run, or through a
 corpus: `specedge corpus`, then `distill --corpus` with unrolled steps), training's layer
 computes what the draft's graph module computes, its graph passes --verify against its
 torch module (fused, batched and portable attention), and speculative decoding with it
-equals plain decoding. GPT-2 targets are refused with a message."""
+equals plain decoding."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from specedge.export.distill.corpus import CorpusSettings
 from specedge.export.distill.grow import grow_corpus
 from specedge.export.distill.train import distill
 from specedge.export.drafts.feature import FeatureDraft
+from specedge.gpu_check.tiny_checkpoints import save_tiny, tiny_model
 from specedge.runtime import Generator
 
 PROMPTS = ([1, 5, 6, 7, 8, 9, 10, 11, 4, 4], list(range(3, 30)))
@@ -37,7 +39,8 @@ def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("feature-families")
     more = {arch: save_tiny_more(root / arch, arch, seed=SEEDS.get(arch, 0))
             for arch in MORE_ARCHITECTURES}
-    return {**more, **{arch: save_tiny_gemma(root / arch, arch) for arch in GEMMA_ARCHITECTURES}}
+    return {**more, **{arch: save_tiny_gemma(root / arch, arch) for arch in GEMMA_ARCHITECTURES},
+            "gpt2": save_tiny(root / "gpt2", "gpt2")}
 
 
 def spec_equals_plain(bundle) -> int:
@@ -54,13 +57,15 @@ def spec_equals_plain(bundle) -> int:
     return accepted
 
 
-@pytest.mark.parametrize("arch", [*MORE_ARCHITECTURES, *GEMMA_ARCHITECTURES])
+@pytest.mark.parametrize("arch", [*MORE_ARCHITECTURES, *GEMMA_ARCHITECTURES, "gpt2"])
 def test_training_computes_what_the_drafts_graph_module_computes(arch):
     """`predict` (training: the family's transformers layer) and `forward` (the graph: the
     family's export module over the same layer) give the same f^_{r+1} for every pair, so
     a draft runs what it was trained to. Gemma 2 soft-caps its scores, which transformers'
-    sdpa refuses, and Gemma 3's rotary has a table per layer kind."""
-    target = tiny_gemma(arch) if arch in GEMMA_ARCHITECTURES else tiny_more(arch)
+    sdpa refuses, Gemma 3's rotary has a table per layer kind, and GPT-2's positions are
+    learned, added to the pairs' embeddings."""
+    target = (tiny_gemma(arch) if arch in GEMMA_ARCHITECTURES
+              else tiny_model("gpt2") if arch == "gpt2" else tiny_more(arch))
     torch.manual_seed(0)
     draft = FeatureDraft(target, torch.arange(20))
     with torch.no_grad():  # every branch doing something, as a trained draft's
@@ -71,7 +76,9 @@ def test_training_computes_what_the_drafts_graph_module_computes(arch):
     length, cfg = 12, draft.config
     ids = torch.randint(3, 30, (2, length))
     features = torch.randn(2, length, cfg.hidden_size)
-    empty = torch.zeros(2, cfg.num_key_value_heads, 0, draft.layer.self_attn.head_dim)
+    heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    empty = torch.zeros(2, heads, 0, cfg.hidden_size // cfg.num_attention_heads
+                        if arch == "gpt2" else draft.layer.self_attn.head_dim)
     with torch.no_grad():
         logits, _, _, out = draft(ids, torch.arange(length).expand(2, -1),
                                   torch.zeros(2, dtype=torch.long), torch.tensor([length]),
@@ -89,7 +96,7 @@ def test_training_computes_what_the_drafts_graph_module_computes(arch):
 
 
 @pytest.mark.parametrize("arch, attention", [("phi3", "fused"), ("stablelm", "portable"),
-                                             ("gemma2", "fused")])
+                                             ("gemma2", "fused"), ("gpt2", "portable")])
 def test_a_distilled_feature_draft_verifies_and_decodes_as_plain(arch, attention, checkpoints,
                                                                  tmp_path):
     draft = tmp_path / "draft"
@@ -124,11 +131,9 @@ def test_the_corpus_path_trains_a_feature_draft_for_other_families(arch, attenti
     assert spec_equals_plain(tmp_path / "b") > 0
 
 
-def test_feature_drafts_refuse_the_families_they_do_not_take():
-    from specedge.gpu_check.tiny_checkpoints import tiny_model
-
-    with pytest.raises(ValueError, match="feature drafts take a target of the families"):
-        FeatureDraft(tiny_model("gpt2"), torch.arange(8))
+def test_a_gpt2_draft_keeps_its_mlp_whole():
+    with pytest.raises(ValueError, match="leave --mlp-width out"):
+        FeatureDraft(tiny_model("gpt2"), torch.arange(8), mlp_width=16)
 
 
 def test_granite_drafts_score_their_head_as_the_target_does(checkpoints):
