@@ -1,6 +1,6 @@
-"""scripts/experiments/batch_exactness.py, bench_batch_calls.py, bench_batch_session.py and
-serve_overhead.py on the tiny batched bundle: the checks and figures they report are the
-ones the runtime gives."""
+"""scripts/experiments/batch_exactness.py, batch_memory.py, bench_batch_calls.py,
+bench_batch_session.py and serve_overhead.py on the tiny batched bundle: the checks and
+figures they report are the ones the runtime gives."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "experiments"))
 
 import batch_exactness  # noqa: E402
+import batch_memory  # noqa: E402
 import bench_batch_calls  # noqa: E402
 import bench_batch_session  # noqa: E402
 import serve_overhead  # noqa: E402
@@ -106,3 +107,24 @@ def test_serve_overhead_counts_the_same_tokens_in_process_and_through_the_server
     assert any(kind.startswith("target prompt chunk") for kind in calls)
     assert any(kind.startswith("target 2 rows x") for kind in calls)
     assert "model calls" in capsys.readouterr().out
+
+
+def test_batch_memory_serves_waves_of_new_shapes(tiny_batched_bundle, tmp_path, capsys):
+    waves = [batch_memory.wave_requests(w, 3, 16) for w in range(3)]
+    for a, b in zip(waves, waves[1:]):  # each wave other prompts and answer lengths
+        assert [r.messages for r in a] != [r.messages for r in b]
+        assert [r.config.max_new_tokens for r in a] != [r.config.max_new_tokens for r in b]
+    assert all(8 <= r.config.max_new_tokens <= 16 for w in waves for r in w)
+    out = tmp_path / "memory.json"
+    report = batch_memory.main(["--bundle", str(tiny_batched_bundle), "--max-batch", "2", "3",
+                                "--waves", "2", "--tokens", "8", "--threads", "1",
+                                "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [r["max_batch"] for r in report["runs"]] == [2, 3]
+    for run in report["runs"]:
+        assert [w["after"] for w in run["waves"]] == ["load", "wave 1", "wave 2"]
+        asked = [sum(r.config.max_new_tokens for r in batch_memory.wave_requests(
+            w, run["max_batch"], 8)) for w in range(2)]
+        for wave, most in zip(run["waves"][1:], asked):
+            assert 0 < wave["tokens"] <= most and wave["rss_mb"] > 0
+    assert "| 3 |" in capsys.readouterr().out
