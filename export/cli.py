@@ -196,6 +196,10 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    "bfloat16 under autocast, weights and optimizer state staying fp32: faster "
                    "on CPUs with AVX-512 BF16 or AMX")
     p.add_argument("--epochs", type=int, default=6, help="default 6")
+    p.add_argument("--init", metavar="DIR", default=None,
+                   help="start training from the weights of this distilled draft folder "
+                   "(the same --kind, --layers, --mlp-width and --feature-layers), e.g. the "
+                   "last draft, to go on training on a grown corpus (default: untrained)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the prompts, the generation and the training (default 0)")
 
@@ -364,7 +368,8 @@ def run_distill(args: argparse.Namespace) -> None:
                         new_tokens=args.new_tokens, generate_batch=args.generate_batch,
                         epochs=args.epochs, seed=args.seed, corpus=args.corpus,
                         corpus_tokens=args.corpus_tokens, unroll=args.unroll,
-                        teacher_dtype=args.teacher_dtype, train_dtype=args.train_dtype)
+                        teacher_dtype=args.teacher_dtype, train_dtype=args.train_dtype,
+                        init=args.init)
     try:
         meta = train.distill(args.out, cfg)
     except (ValueError, RuntimeError, OSError) as e:

@@ -34,6 +34,9 @@ class DistillConfig:
     unroll: int = 1  # a feature draft's drafting steps unrolled in training (unroll.py)
     teacher_dtype: str = "auto"  # the target's features on a corpus (teacher.py)
     train_dtype: str = "fp32"  # "bf16": training's products in bfloat16 (autocast)
+    # A distilled draft folder of the same shape whose weights training starts from (the
+    # head tokens are chosen again from this run's data); None: the untrained draft.
+    init: str | None = None
 
     DATA_FIELDS = ("target", "prompts", "new_tokens", "sampled_fraction", "generate_batch",
                    "seed", "top_k", "varied_prompts", "more_prompts", "self_prompts")

@@ -79,9 +79,34 @@ def load_draft(path: Path, target, target_tokenizer):
     else:
         draft = make_draft(target, meta["num_layers"], meta.get("mlp_width"))
         attach_head(draft, head_ids)
+    load_weights(draft, path)
+    return draft.eval()
+
+
+def load_weights(draft, path: Path) -> None:
+    """Load a draft folder's trained weights into `draft`, a draft of the same shape."""
     state = {k: v.float() for k, v in load_file(str(path / DRAFT_WEIGHTS)).items()}
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or not all(is_target_part(k) for k in missing):
         raise ValueError(f"{path / DRAFT_WEIGHTS} does not match its {DRAFT_META}; "
                          "re-run specedge distill")
-    return draft.eval()
+
+
+def draft_shape(kind: str, num_layers: int, mlp_width: int | None,
+                feature_layers) -> dict:
+    """What a draft's trained weights are shaped by (its head tokens are not among them: the
+    head is the target's, its rows chosen by the data)."""
+    return {"kind": kind, "num_layers": num_layers, "mlp_width": mlp_width,
+            "feature_layers": sorted(feature_layers)}
+
+
+def check_init(path: Path, target_tokenizer, shape: dict) -> None:
+    """ValueError unless the draft folder `path` (`distill --init`) was made for this
+    target's tokenizer and has this run's `draft_shape`."""
+    meta = check_distilled_draft(path, target_tokenizer)
+    theirs = draft_shape(meta.get("kind", "model"), meta["num_layers"], meta.get("mlp_width"),
+                         meta.get("feature_layers", []))
+    if theirs != shape:
+        raise ValueError(f"--init {path} is a draft of another shape ({theirs}) than this run "
+                         f"makes ({shape}): give the same --kind, --layers, --mlp-width and "
+                         "--feature-layers, or leave --init out")

@@ -45,7 +45,10 @@ from specedge.export.distill.data import (
 )
 from specedge.export.distill.draft_folder import (
     DRAFT_KINDS,
+    check_init,
+    draft_shape,
     is_target_part,
+    load_weights,
     save_draft,
     tokenizer_digest,
 )
@@ -66,12 +69,26 @@ from specedge.runtime.atomic_files import replacing
 
 
 def new_draft(target, cfg: DistillConfig, head_ids: torch.Tensor):
-    """The untrained draft that `cfg` describes, scoring `head_ids`."""
+    """The draft that `cfg` describes, scoring `head_ids`: untrained, or with the weights of
+    the draft folder `cfg.init`."""
     if cfg.kind == "feature":
-        return FeatureDraft(target, head_ids, cfg.feature_layers, cfg.mlp_width)
-    draft = make_draft(target, cfg.layers, cfg.mlp_width)
-    attach_head(draft, head_ids)
+        draft = FeatureDraft(target, head_ids, cfg.feature_layers, cfg.mlp_width)
+    else:
+        draft = make_draft(target, cfg.layers, cfg.mlp_width)
+        attach_head(draft, head_ids)
+    if cfg.init:
+        load_weights(draft, Path(cfg.init))
     return draft
+
+
+def check_init_early(cfg: DistillConfig, target, tokenizer) -> None:
+    """Before the answers or the teacher's pass, which can take hours: `cfg.init` must be a
+    draft of the shape this run makes."""
+    if cfg.init:
+        check_init(Path(cfg.init), tokenizer, draft_shape(
+            cfg.kind, 1 if cfg.kind == "feature" else cfg.layers,
+            cfg.mlp_width or getattr(target.config, "intermediate_size", None),
+            check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)))
 
 
 def train(draft, head_ids: torch.Tensor, data: list[dict], cfg: DistillConfig,
@@ -182,6 +199,7 @@ def _distill_on_corpus(out: Path, work: Path, cfg: DistillConfig) -> dict:
                          f"tokenizer ({corpus_meta['target']!r}), not {cfg.target!r}")
     check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
     check_mlp_width(target.config, cfg.mlp_width)
+    check_init_early(cfg, target, tokenizer)
     t0 = time.time()
     rows = [r for shard in shards for r in shard]
     head_ids = answer_head_ids(rows, cfg.head_tokens, target.config.vocab_size)
@@ -240,6 +258,7 @@ def distill(out: str | Path, cfg: DistillConfig) -> dict:
     # Before the answers, which can take hours, rather than when the draft is built.
     check_feature_layers(cfg.feature_layers, target.config.num_hidden_layers)
     check_mlp_width(target.config, cfg.mlp_width)
+    check_init_early(cfg, target, tokenizer)
     t0 = time.time()
     data = build_dataset(target, tokenizer, cfg, work)
     head_ids = head_token_ids(data, cfg.head_tokens, target.config.vocab_size)

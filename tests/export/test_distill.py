@@ -4,6 +4,7 @@ only some tokens (q = 0 elsewhere), and exactness against the target."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,9 +16,14 @@ from two_samples import two_sample_pvalue
 from specedge.export.bundle_writer import export_bundle
 from specedge.export.distill.config import DistillConfig
 from specedge.export.distill.data import generate_shard
-from specedge.export.distill.draft_folder import DRAFT_META, DRAFT_WEIGHTS
+from specedge.export.distill.draft_folder import (
+    DRAFT_META,
+    DRAFT_WEIGHTS,
+    is_target_part,
+    load_draft,
+)
 from specedge.export.distill.prompts import training_prompts
-from specedge.export.distill.train import distill
+from specedge.export.distill.train import distill, new_draft
 from specedge.export.sources import load_model
 from specedge.gpu_check.two_sample import first_two_tokens
 from specedge.runtime import Generator
@@ -298,3 +304,26 @@ def test_passages_are_the_targets_answers_cut_at_a_full_stop():
     ex = {"ids": torch.tensor(ids), "start": 5}
     short = {"ids": torch.tensor([ord(c) for c in "prompt" + "Too short."]), "start": 5}
     assert passages_from([ex, short], Chars()) == [("A long answer. " * 20).strip()]
+
+
+def test_init_starts_training_from_a_draft_folder(distilled, tmp_path):
+    """`--init DIR`: the new draft holds DIR's weights before training (the head tokens
+    chosen again), and one epoch from there ends better than one epoch from scratch."""
+    out, cfg, _ = distilled
+    target, tokenizer = load_model(cfg.target)
+    warm = replace(cfg, init=str(out), epochs=1)
+    draft = new_draft(target, warm, torch.arange(3, 3 + HEAD))
+    trained = load_draft(out, target, tokenizer).state_dict()
+    own = [k for k in trained if not is_target_part(k)]
+    assert own and all(torch.equal(draft.state_dict()[k], trained[k]) for k in own)
+    assert torch.equal(draft.specedge_head_ids, torch.arange(3, 3 + HEAD))
+    from_init = distill(tmp_path / "warm", warm)["report"]["val_loss"]
+    from_scratch = distill(tmp_path / "cold", replace(cfg, epochs=1))["report"]["val_loss"]
+    assert from_init < from_scratch
+
+
+def test_init_of_another_shape_is_refused_before_any_answer(distilled, tmp_path):
+    out, cfg, _ = distilled
+    with pytest.raises(ValueError, match="another shape"):
+        distill(tmp_path / "d", replace(cfg, layers=2, init=str(out)))
+    assert not list((tmp_path / "d" / "work").glob("data-*.pt"))
