@@ -300,7 +300,7 @@ SPEEDS = {"decode": "decode_tokens_per_second", "end to end": "tokens_per_second
 
 # The peers the ratios are quoted against: each one's systems are named "<peer> ...", its
 # plain decoding "<peer> plain" (for onnxruntime-genai, its model builder's CPU defaults).
-PEERS = ("llama.cpp", "onnxruntime-genai")
+PEERS = ("llama.cpp", "onnxruntime-genai", "openvino-genai")
 
 
 def _ratio(timed: dict[str, dict], num: str, den: str, speed: str) -> dict | None:

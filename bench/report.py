@@ -131,7 +131,7 @@ def _systems_markdown(results: dict) -> list[str]:
     if llama:
         lines += ["", f"llama.cpp: flash attention on, n_batch {llama['n_batch']}; its build: "
                       f"`{llama['build']}`"]
-    return lines + _ort_genai_line(systems)
+    return lines + _ort_genai_line(systems) + _openvino_line(systems)
 
 
 def _pareto_markdown(entries: list[dict]) -> list[str]:
@@ -176,6 +176,17 @@ def _ort_genai_line(systems: dict) -> list[str]:
                 f"{variant}: `--extra_options {' '.join(options)}`" if options
                 else f"{variant}: its defaults" for variant, options in builds.items())
             + "; n-gram: " + " ".join(f"`{k}={v}`" for k, v in ngram.items()) + "."]
+
+
+def _openvino_line(systems: dict) -> list[str]:
+    """What OpenVINO GenAI ran, when it ran: its version, its model and its prompt lookup."""
+    rows = [row for row in systems.values() if "weights" in row]
+    if not rows:
+        return []
+    lookup = next((row["lookup"] for row in rows if "lookup" in row), {})
+    return ["", f"openvino-genai {rows[0]['version']}: its model from `optimum-cli export "
+            f"openvino` ({rows[0]['weights']}); prompt lookup: "
+            + " ".join(f"`{k}={v}`" for k, v in lookup.items()) + "."]
 
 
 def plots(results: dict, out: Path) -> list[Path]:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from specedge.bench import baselines, ort_genai, report
+from specedge.bench import baselines, openvino_genai, ort_genai, report
 from specedge.bench.configs import (
     NO_DRAFT_QUICK,
     aggregate,
@@ -35,7 +35,7 @@ from specedge.runtime.backends.ort_cpu import OrtCpuBackend
 from specedge.runtime.config import GenerationConfig
 
 # The other systems `--baselines` chooses from (bench/baselines.py, bench/ort_genai.py).
-BASELINES = ("transformers", "llama.cpp", "onnxruntime-genai")
+BASELINES = ("transformers", "llama.cpp", "onnxruntime-genai", "openvino-genai")
 
 
 def _positive(text: str) -> int:
@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
                    metavar="SYSTEM",
                    help="the other systems to compare with: transformers, llama.cpp, "
-                        "onnxruntime-genai (default all three; --baselines alone: none)")
+                        "onnxruntime-genai, openvino-genai (default all four; --baselines "
+                        "alone: none)")
     p.add_argument("--rounds", type=_positive, default=3,
                    help="times the system comparison runs its prompts, each round giving "
                         "one ratio for the confidence interval (default 3)")
@@ -197,6 +198,9 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
     if "onnxruntime-genai" in args.baselines:
         systems.update(ort_genai.ort_genai_systems(args.bundle, args.max_new_tokens,
                                                    args.threads, text_ids))
+    if "openvino-genai" in args.baselines:
+        systems.update(openvino_genai.openvino_systems(args.bundle, args.max_new_tokens,
+                                                       args.threads, text_ids))
     # Every system gets the ids our configurations decoded from (a `messages` prompt
     # through the bundle's chat template), so all of them see the same prompts.
     systems = baselines.time_systems(systems, prompt_ids[:n], rounds=args.rounds,

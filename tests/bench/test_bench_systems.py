@@ -188,8 +188,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_baselines_and_rounds_flags():
-    assert parse().baselines == ["transformers", "llama.cpp", "onnxruntime-genai"] == list(
-        BASELINES)
+    assert parse().baselines == ["transformers", "llama.cpp", "onnxruntime-genai",
+                                 "openvino-genai"] == list(BASELINES)
     assert parse("--baselines").baselines == []
     assert parse("--baselines", "llama.cpp").baselines == ["llama.cpp"]
     assert parse("--baselines", "onnxruntime-genai").baselines == ["onnxruntime-genai"]

@@ -31,24 +31,6 @@ from specedge.cli import main
 NOT_INSTALLED = "onnxruntime-genai not installed (pip install -e '.[peers]')"
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    """An empty specedge cache for the test."""
-    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture
-def checkpoint(tmp_path) -> Path:
-    """A stand-in checkpoint folder: what the cache key reads is its files' names, sizes and
-    times."""
-    folder = tmp_path / "ck"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "model.safetensors").write_bytes(b"\0" * 64)
-    return folder
-
-
 def test_builder_command_builds_int4_for_the_cpu_from_the_checkpoint(tmp_path):
     common = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
               str(tmp_path / "ck"), "-o", str(tmp_path / "out"), "-p", "int4", "-e", "cpu",
