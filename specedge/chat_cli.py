@@ -7,7 +7,8 @@ is one of the commands below is not sent:
     /stats         the last reply's speculative-decoding statistics
     /reset         forget the conversation (the system message stays)
     /system TEXT   set the system message (`/system` alone removes it)
-    /exit          quit (so do end of input and Ctrl-D)
+    /exit          quit (so do /quit, end of input and Ctrl-D)
+    /help          these commands
 
 stdout carries only the replies (each ends with a newline), so piped input gives a
 transcript of the answers; statistics and notices go to stderr (a reply cut at
@@ -40,7 +41,7 @@ from specedge.generate_cli import summary
 from specedge.runtime.config import GenerationConfig
 from specedge.runtime.errors import SpecEdgeError
 
-COMMANDS = ("/stats", "/reset", "/system", "/exit")
+COMMANDS = ("/stats", "/reset", "/system", "/exit", "/help")
 # A line starting with a slash and a lower-case word is meant as a command (a typo is
 # reported, not sent); other lines starting with "/" (a path, say) are messages.
 _COMMAND_LIKE = re.compile(r"/[a-z]+(\s|$)")
@@ -50,7 +51,8 @@ IN_CHAT_HELP = """commands typed at the prompt:
   /stats         the last reply's speculative-decoding statistics
   /reset         forget the conversation (the system message stays)
   /system TEXT   set the system message (/system alone removes it)
-  /exit          quit (so do Ctrl-D and the end of piped input)
+  /exit          quit (so do /quit, Ctrl-D and the end of piped input)
+  /help          these commands
 Ctrl-C stops a reply after its current step (twice: at once); at the prompt it quits."""
 
 
@@ -94,8 +96,11 @@ class Chat:
         if not _COMMAND_LIKE.match(line):
             return False
         name, _, rest = line.partition(" ")
-        if name == "/exit":
+        if name in ("/exit", "/quit"):  # /quit: what other chat programs take
             raise EOFError
+        if name == "/help":
+            print(IN_CHAT_HELP, file=self.err)
+            return True
         if name == "/stats":
             print(summary(self.last_stats) if self.last_stats else
                   f"no statistics: {self.why_no_stats}", file=self.err)

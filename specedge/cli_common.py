@@ -106,12 +106,19 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
     """The `GenerationConfig` of the flags of `add_generation_flags`; ValueError names a bad
-    value and its allowed range."""
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
-                            draft_threshold=args.draft_threshold, drafter=args.drafter,
-                            stop=args.stop)
+    value and its allowed range, by its flag (GenerationConfig names its field)."""
+    try:
+        return GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed,
+                                draft_tokens=args.draft_tokens, use_draft=not args.no_draft,
+                                draft_threshold=args.draft_threshold, drafter=args.drafter,
+                                stop=args.stop)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        if field.isidentifier() and hasattr(args, field):
+            raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+        raise
 
 
 def draft_tokens_arg(value: str) -> int | str:

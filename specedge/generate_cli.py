@@ -90,10 +90,11 @@ def _compare(gen, ids: list[int], config, first, rounds: int
 
 
 def _rates(rates: list[tuple[float, float]]) -> str:
-    """The decode speeds a --compare ratio is made of: each mode's median over the rounds."""
-    spec, plain = (statistics.median(r[i] for r in rates) for i in (0, 1))
-    over = "one round" if len(rates) == 1 else f"medians of {len(rates)} rounds"
-    return f"decode {spec:.1f} tok/s speculative, {plain:.1f} plain ({over})"
+    """The decode speeds a --compare ratio is made of, round by round: each round's ratio
+    is its own pair's (a median of the two modes' medians would pair speeds of different
+    rounds, on a machine whose speed drifts)."""
+    pairs = ", ".join(f"{spec:.1f}/{plain:.1f}" for spec, plain in rates)
+    return f"decode tok/s speculative/plain by round {pairs}"
 
 
 def _spread(speedups: list[float]) -> str:

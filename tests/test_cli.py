@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -144,12 +145,14 @@ def test_generate_compare_streaming(capsys, tiny_bundle):
     assert out.strip()
     assert "speculative / plain =" in err, err
     assert "median of 3 rounds taking turns (range " in err, err
-    # The speeds the ratio is made of, each a median over the same rounds, not this run's.
+    # The speeds the ratio is made of, round by round: its median is the median of their
+    # ratios.
     line = next(x for x in err.splitlines() if "speculative / plain =" in x)
-    spec, plain = map(float, re.search(
-        r"decode ([\d.]+) tok/s speculative, ([\d.]+) plain \(medians of 3 rounds\)",
-        line).groups())
-    assert spec > 0 and plain > 0, line
+    pairs = re.search(r"decode tok/s speculative/plain by round ([\d./, ]+);", line).group(1)
+    ratios = [float(a) / float(b) for a, b in (p.split("/") for p in pairs.split(", "))]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios), line
+    median = float(re.search(r"speculative / plain = ([\d.]+)x", line).group(1))
+    assert median == pytest.approx(statistics.median(ratios), abs=0.02), line
     assert "; same tokens" in err, err   # greedy on an fp32 bundle: plain decoding's tokens
 
 
@@ -233,17 +236,17 @@ BAD_GENERATE = [
     (["--prompt", ""], ["the message is empty", "write something to ask"]),
     (["--prompt", "   "], ["the message is empty"]),
     (["--prompt", "", "--raw"], ["prompt is empty", "give some text to continue"]),
-    (["--prompt", PROMPT, "--max-new-tokens", "0"], ["max_new_tokens", ">= 1", "got 0"]),
-    (["--prompt", PROMPT, "--max-new-tokens", "-3"], ["max_new_tokens", ">= 1", "got -3"]),
+    (["--prompt", PROMPT, "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1", "got 0"]),
+    (["--prompt", PROMPT, "--max-new-tokens", "-3"], ["--max-new-tokens", ">= 1", "got -3"]),
     (["--prompt", PROMPT, "--max-new-tokens", "100000"],
      ["max_new_tokens (100000)", "context of 512"]),
     (["--prompt", "a" * 600, "--raw", "--max-new-tokens", "1"], ["prompt (600 tokens)"]),
-    (["--prompt", PROMPT, "--temperature", "-1"], ["temperature", ">= 0", "-1"]),
-    (["--prompt", PROMPT, "--temperature", "nan"], ["temperature", ">= 0"]),
-    (["--prompt", PROMPT, "--top-p", "0"], ["top_p", "(0, 1]", "0.0"]),
-    (["--prompt", PROMPT, "--top-p", "1.5"], ["top_p", "(0, 1]", "1.5"]),
-    (["--prompt", PROMPT, "--top-k", "-1"], ["top_k", ">= 0", "-1"]),
-    (["--prompt", PROMPT, "--draft-tokens", "0"], ["draft_tokens", "[1, 32]", "got 0"]),
+    (["--prompt", PROMPT, "--temperature", "-1"], ["--temperature", ">= 0", "-1"]),
+    (["--prompt", PROMPT, "--temperature", "nan"], ["--temperature", ">= 0"]),
+    (["--prompt", PROMPT, "--top-p", "0"], ["--top-p", "(0, 1]", "0.0"]),
+    (["--prompt", PROMPT, "--top-p", "1.5"], ["--top-p", "(0, 1]", "1.5"]),
+    (["--prompt", PROMPT, "--top-k", "-1"], ["--top-k", ">= 0", "-1"]),
+    (["--prompt", PROMPT, "--draft-tokens", "0"], ["--draft-tokens", "[1, 32]", "got 0"]),
     (["--prompt", PROMPT, "--backend", "nope"], ["invalid choice: 'nope'", "ort-cpu"]),
     (["--prompt", PROMPT, "--drafter", "ngram"], ["--drafter", "invalid choice: 'ngram'"]),
     (["--prompt", PROMPT, "--max-new-tokens", "x"], ["--max-new-tokens", "invalid int"]),
@@ -633,10 +636,10 @@ def test_generate_checks_settings_before_the_bundle_loads(capsys, tmp_path):
     before the check."""
     code, _, err = call_main(capsys, "generate", "--bundle", tmp_path / "nothing-here",
                              "--prompt", PROMPT, "--temperature", "-1")
-    assert_one_line_error(code, err, "temperature must be a number >= 0")
+    assert_one_line_error(code, err, "--temperature must be a number >= 0")
     code, _, err = call_main(capsys, "chat", "--bundle", tmp_path / "nothing-here",
                              "--top-p", "2")
-    assert_one_line_error(code, err, "top_p must be in (0, 1]")
+    assert_one_line_error(code, err, "--top-p must be in (0, 1]")
 
 
 def test_every_flag_with_a_default_says_it_in_its_help():

@@ -211,3 +211,11 @@ def test_doctor_errors(tmp_path, monkeypatch, tiny_bundle, capsys):
 def test_doctor_help():
     done = _doctor("--help")
     assert done.returncode == 0 and "--bundle" in done.stdout
+
+
+def test_advice_says_when_the_bundle_has_the_advised_precision(tiny_fused_int4_bundle):
+    advice = advise(MACHINE, [BackendStatus("ort-cpu", True, "")], None,
+                    load_bundle(tiny_fused_int4_bundle))
+    assert advice.precision == "int4"
+    assert "this bundle is int4 already" in advice.why, advice.why
+    assert not any("re-export it with --precision" in reason for reason in advice.why)

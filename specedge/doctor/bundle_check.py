@@ -117,4 +117,6 @@ def advise(machine: Machine, statuses: list[BackendStatus], runs: list[BundleRun
         have = bundle.manifest.get("precision")
         if have and have != precision and backend in ("ort-cpu", "ort-cuda"):
             why.append(f"this bundle is {have}: re-export it with --precision {precision}")
+        elif have == precision:
+            why.append(f"this bundle is {have} already")
     return Advice(backend, threads, precision, why)

@@ -101,10 +101,20 @@ def test_stats_flag_prints_statistics_after_every_reply(monkeypatch, capsys, tin
     assert err.count("decode, stop:") == 2
 
 
-def test_exit_command_quits_with_status_0(monkeypatch, capsys, tiny_bundle, api):
-    code, out, err = chat(monkeypatch, capsys, tiny_bundle, "hello there\n/exit\nnever sent\n")
+@pytest.mark.parametrize("command", ["/exit", "/quit"])
+def test_exit_command_quits_with_status_0(monkeypatch, capsys, tiny_bundle, api, command):
+    code, out, err = chat(monkeypatch, capsys, tiny_bundle,
+                          f"hello there\n{command}\nnever sent\n")
     assert code == 0, err
     assert out.splitlines() == [reply(api, ("user", "hello there"))]
+
+
+def test_help_lists_the_commands_and_sends_nothing(monkeypatch, capsys, tiny_bundle):
+    code, out, err = chat(monkeypatch, capsys, tiny_bundle, "/help\n")
+    assert code == 0 and out == "", err
+    for command in ("/stats", "/reset", "/system TEXT", "/exit", "/help"):
+        assert command in err, err
+    assert "unknown command" not in err
 
 
 def test_unknown_command_is_reported_not_sent(monkeypatch, capsys, tiny_bundle):
