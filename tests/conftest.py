@@ -9,6 +9,7 @@ runtime tests run where only the runtime is installed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,23 @@ def smollm2(name: str, **arguments) -> Path:
     out = cache_dir() / "bundles" / name
     export_bundle("smollm2-135m", out, **arguments)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def teacher_features_in_a_temporary_folder(tmp_path_factory):
+    """The teacher features of the tiny models' corpora (export/distill/teacher.py) go to a
+    folder of the test run: their checkpoints are new every run, so in the specedge cache
+    they would pile up run after run. Where torch is not installed (the torch-free runtime
+    tests), nothing makes them."""
+    if importlib.util.find_spec("torch") is None:
+        yield None
+        return
+    from specedge.export.distill import teacher
+
+    root = tmp_path_factory.mktemp("specedge-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(teacher, "cache_dir", lambda: root)
+        yield root
 
 
 @pytest.fixture(scope="session")
