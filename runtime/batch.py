@@ -497,6 +497,12 @@ class BatchSession:
         slot is taken."""
         prompt = list(prompt_ids)
         target = self.models[0]
+        if config.draft_tokens is None and config.use_draft and not config.sampling.greedy:
+            # Sampled, K left to the default: auto, priced for the whole batch
+            # (drafting/batch_costs.py), not the fixed K = 1 of a sampled generation alone,
+            # whose two-token rows would pad every row of every call; a seed fixes a batch's
+            # sampled text no more than auto's (docs/design.md, "Batched decoding").
+            config = GenerationConfig.of(config, draft_tokens="auto")
         with self._lock:
             if not self._free:
                 raise BatchFull(f"all {self.max_batch} sequences of the batch are running")

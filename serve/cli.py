@@ -67,7 +67,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=SERVER.shutdown_timeout,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
     add_draft_tokens_flag(p, "K for requests that do not set their own: an integer or 'auto' "
-                          "(default: auto when greedy, 1 when sampling)")
+                          "(default: auto when greedy, 1 when sampling; auto for both with "
+                          "--max-batch over 1, priced for the whole batch)")
     add_drafter_flag(p)
     add_draft_threshold_flag(p, "for requests that do not set their own: stop drafting when "
                              "the draft's probability for its token is below this (default "

@@ -786,3 +786,18 @@ def test_two_sequences_on_one_thread_raise_instead_of_waiting_for_ever(gen):
     with pytest.raises(RuntimeError, match="on the same thread"):
         next(second)
     assert len(run_to_end_of(first)) == 8
+
+
+def test_sampled_requests_in_a_batch_default_to_auto_k(gen):
+    """A sampled request that leaves K to the default drafts with auto K in a batch, priced
+    for the whole batch (its fixed K = 1 alone would pad every row of every call to two
+    tokens); one that sets K keeps it; alone, the default stays K = 1."""
+    sampled = GenerationConfig(max_new_tokens=6, temperature=0.8, seed=1)
+    results = BatchGenerator(gen, 3).generate([
+        BatchRequest(prompt=PROMPTS[0], raw=True, config=sampled),
+        BatchRequest(prompt=PROMPTS[1], raw=True,
+                     config=GenerationConfig.of(sampled, draft_tokens=2)),
+        BatchRequest(prompt=PROMPTS[2], raw=True, config=GenerationConfig(max_new_tokens=6))])
+    assert [r.stats["draft_tokens_k"] for r in results] == ["auto", 2, "auto"]
+    alone = gen.generate(prompt=PROMPTS[0], raw=True, config=sampled)
+    assert alone.stats["draft_tokens_k"] == 1
