@@ -329,8 +329,8 @@ def _peer_best(timed: dict[str, dict], peer: str, key: str) -> str | None:
 
 def system_ratios(systems: dict[str, dict]) -> list[dict]:
     """The ratios the report quotes, each speed (decode, end to end) round by round, with
-    their median and 95% confidence interval (`_ratio`), for each peer that ran
-    (llama.cpp, then onnxruntime-genai): "specedge best / <peer> best", the peer's best being
+    their median and 95% confidence interval (`_ratio`), for each peer that ran (PEERS, in
+    order): "specedge best / <peer> best", the peer's best being
     the fastest of its systems by median over rounds on that speed (recorded as
     `denominator`), and "specedge plain / <peer> plain". A ratio whose systems did not both
     run (a skipped baseline) is left out, as is a round where either speed is undefined."""

@@ -168,10 +168,10 @@ def _table(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict]],
              configs: list[tuple[str, dict]], prompt_ids: list[list[int]]) -> dict:
-    """The system comparison: our plain and fastest greedy configuration against the
-    baselines chosen by --baselines on the first --systems-prompts prompts, --rounds times,
-    end to end and decode, with perplexities and the ratios to llama.cpp and
-    onnxruntime-genai."""
+    """The system comparison: our plain and fastest greedy configuration (and the --also
+    exports) against the baselines chosen by --baselines on the first --systems-prompts
+    prompts, --rounds times, end to end and decode, with perplexities, the ratios to the
+    peers (baselines.PEERS) and the Pareto line."""
     n = min(args.systems_prompts, len(prompt_ids))
     end_to_end = {name: sum(s["tokens_generated"] for s in stats[:n]) /
                   sum(s["time_total_s"] for s in stats[:n]) for name, stats in runs.items()
