@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from specedge.bench.baselines import Generation
-from specedge.bench.ort_genai import bundle_checkpoint
-from specedge.bench.peer_models import BuildError, build_once, checkpoint_key
+from specedge.bench.peer_models import BuildError, build_once, bundle_checkpoint, checkpoint_key
 from specedge.bench.perplexity import perplexity
 from specedge.export.sources import cache_dir
 

@@ -25,6 +25,7 @@ from specedge.bench.ort_genai_models import (
     built_model,
     installed_version,
 )
+from specedge.bench.peer_models import bundle_checkpoint
 from specedge.bench.perplexity import perplexity
 
 PEER = "onnxruntime-genai"
@@ -41,15 +42,6 @@ def system_names(variant: Variant) -> tuple[str, str]:
 
 
 NAMES = tuple(name for variant in VARIANTS for name in system_names(variant))
-
-
-def bundle_checkpoint(bundle: Path) -> Path:
-    """The Hugging Face folder the bundle was exported from (its manifest's source model:
-    an alias, a GGUF file, a folder or a Hub id, as `specedge export` resolved it)."""
-    from specedge.export.sources import resolve_checkpoint
-
-    source = json.loads((Path(bundle) / "manifest.json").read_text())["source"]["model"]
-    return resolve_checkpoint(source)
 
 
 def _open(folder: Path, threads: int | None):

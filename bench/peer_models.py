@@ -22,6 +22,15 @@ class BuildError(RuntimeError):
     output and names the file that holds all of it."""
 
 
+def bundle_checkpoint(bundle: Path) -> Path:
+    """The Hugging Face folder the bundle was exported from (its manifest's source model:
+    an alias, a GGUF file, a folder or a Hub id, as `specedge export` resolved it)."""
+    from specedge.export.sources import resolve_checkpoint
+
+    source = json.loads((Path(bundle) / "manifest.json").read_text())["source"]["model"]
+    return resolve_checkpoint(source)
+
+
 def checkpoint_key(checkpoint: Path, how: dict) -> str:
     """16 hex digits that change with the checkpoint's files (names, sizes, modification
     times) or with `how` the model is made (the tool's options and version)."""

@@ -179,9 +179,7 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
     best = max(end_to_end, key=end_to_end.get)  # the fastest exact configuration
     # The shipped set's passages, whatever --prompts: the same text for every system.
     text_ids = baselines.quality_text_ids(gen.codec, load_prompts())[:gen.bundle.target.max_context]
-    # on ONNX Runtime CPU whatever the bench's backend: a property of the graph
-    ours = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads,
-                                                 spinning=args.thread_spinning), text_ids)
+    ours = _graph_perplexity(args, gen, text_ids)
     kwargs = dict(configs)
     systems = {"specedge plain": _ours(gen, kwargs["greedy/plain"], args.max_new_tokens, ours),
                "specedge best": {**_ours(gen, kwargs[best], args.max_new_tokens, ours),
@@ -211,13 +209,19 @@ def _systems(args: argparse.Namespace, gen: Generator, runs: dict[str, list[dict
             "pareto": baselines.pareto_ratios(systems)}
 
 
+def _graph_perplexity(args: argparse.Namespace, gen: Generator, text_ids: list[int]) -> float:
+    """The target graph's perplexity on `text_ids`, on ONNX Runtime CPU whatever the bench's
+    backend: a property of the graph."""
+    return model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads,
+                                          spinning=args.thread_spinning), text_ids)
+
+
 def _other_export(args: argparse.Namespace, bundle: Path, text_ids: list[int]) -> dict:
     """An --also bundle as two systems, "specedge NAME plain" and "specedge NAME default"
     (NAME its folder's name), with its graph's perplexity on `text_ids`."""
     gen = Generator.from_bundle(bundle, backend=args.backend, threads=args.threads,
                                 spinning=args.thread_spinning)
-    quality = model_perplexity(OrtCpuBackend(gen.bundle.target, args.threads,
-                                             spinning=args.thread_spinning), text_ids)
+    quality = _graph_perplexity(args, gen, text_ids)
     gen.generate(prompt_ids=text_ids[:8], max_new_tokens=4)  # warm up, as our configurations
     return {f"specedge {bundle.name} plain": _ours(gen, {"use_draft": False},
                                                    args.max_new_tokens, quality),
